@@ -1,0 +1,36 @@
+# Set-up on a fresh machine (Python 3.11 + pip) is part of every target.
+# TORCH_SPEC pins the CPU build that lies on this project's machines; GPU users override it,
+# e.g. `make test TORCH_SPEC="torch"` or point it at their CUDA wheel index.
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/fxoffload-hf demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check fxoffload_hf tests benchmarks examples
+	$(VENV)/bin/ruff format --check fxoffload_hf tests benchmarks examples
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy fxoffload_hf
+
+test: lint typecheck
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_cpu_offload.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,138 @@
+"""One validated configuration object for an offloaded model."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fxoffload_hf import memory
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*|%)\s*$")
+POLICIES = ("auto", "sequential")
+COMPILE_BACKENDS = (None, "inductor", "tensorrt")
+
+BudgetSpec = int | float | str | None
+
+
+def parse_budget(value: BudgetSpec, *, free_bytes: int | None = None, what: str = "budget") -> int | None:
+    """Turn a budget spec into bytes.
+
+    Accepts ``None`` (no limit), a whole number of bytes, a float of bytes, a string with a
+    unit (``"1.5GiB"``, ``"800MB"``, ``"4096"``) or a percentage of ``free_bytes`` (``"80%"``).
+
+    Raises:
+        ValueError: for negative, zero, non-finite or unparseable values.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected bytes, a size string or a percentage, got {value!r}")
+    if isinstance(value, int | float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"{what}: {value!r} is not a finite number of bytes")
+        if value <= 0:
+            raise ValueError(f"{what}: must be positive, got {value!r}; pass None for no limit")
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{what}: expected bytes, a size string or a percentage, got {type(value).__name__}")
+    match = _BUDGET_RE.match(value)
+    if match is None:
+        raise ValueError(
+            f"{what}: cannot read {value!r}; write bytes (1073741824), a size ('1.5GiB', '800MB') "
+            "or a share of free memory ('80%')"
+        )
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if unit == "%":
+        if not 0 < number <= 100:
+            raise ValueError(f"{what}: a percentage must lie in (0, 100], got {value!r}")
+        if free_bytes is None:
+            raise ValueError(f"{what}: {value!r} is a share of free memory, but free memory is unknown here")
+        return int(free_bytes * number / 100)
+    if unit not in _UNITS:
+        raise ValueError(f"{what}: unknown unit {match.group(2)!r} in {value!r}; use B, KB, MB, GB, KiB, MiB or GiB")
+    nbytes = int(number * _UNITS[unit])
+    if nbytes <= 0:
+        raise ValueError(f"{what}: must be positive, got {value!r}; pass None for no limit")
+    return nbytes
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` means CUDA when available, else CPU; a CUDA device that is absent is an error."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: cannot read {device!r} ({exc}); use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} was asked for but CUDA is not available here; use device='cpu'")
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device: {device!r} does not exist; this machine has {torch.cuda.device_count()} GPU(s)")
+        return torch.device("cuda", index)
+    if dev.type != "cpu":
+        raise ValueError(f"device: {dev.type!r} is not supported; use 'cpu' or 'cuda'")
+    return dev
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Budgets, tiers and policy for one offloaded model, validated once.
+
+    ``gpu_memory`` bounds what the engine holds on the compute device (resident weights, the pieces in
+    flight and activations). On a CPU-only run it sizes the pieces as if the device had that much memory.
+    ``cpu_memory`` bounds the weights held in host RAM; weights beyond it stay on disk.
+    """
+
+    device: torch.device
+    gpu_memory: int | None = None
+    cpu_memory: int | None = None
+    offload_folder: Path | None = None
+    policy: str = "auto"
+    compile: str | None = None
+    resident_threshold: int = 64 * 1024
+    profile_calls: int = 1
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        gpu_memory: BudgetSpec = None,
+        cpu_memory: BudgetSpec = None,
+        offload_folder: str | os.PathLike[str] | None = None,
+        device: str | torch.device | None = None,
+        policy: str = "auto",
+        compile: str | None = None,
+    ) -> OffloadConfig:
+        """Validate user-facing arguments (see ``fxoffload_hf.offload``) and build the config."""
+        dev = resolve_device(device)
+        if policy not in POLICIES:
+            raise ValueError(f"policy: {policy!r} is not one of {POLICIES}")
+        if compile not in COMPILE_BACKENDS:
+            raise ValueError(f"compile: {compile!r} is not one of {COMPILE_BACKENDS}")
+        gpu_free = memory.free_device_memory(dev) if dev.type == "cuda" else memory.free_host_memory()
+        return cls(
+            device=dev,
+            gpu_memory=parse_budget(gpu_memory, free_bytes=gpu_free, what="gpu_memory"),
+            cpu_memory=parse_budget(cpu_memory, free_bytes=memory.free_host_memory(), what="cpu_memory"),
+            offload_folder=Path(offload_folder) if offload_folder is not None else None,
+            policy=policy,
+            compile=compile,
+        )

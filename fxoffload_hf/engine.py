@@ -1,0 +1,179 @@
+"""The engine of one offloaded model: its store, copy engine, budget, schedule and statistics.
+
+It is the ``torch.compile`` backend for the model (each captured graph gets a ``GraphExecutor``) and
+the single source of truth for the budget every graph of the model shares.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import fx
+
+from fxoffload_hf.config import OffloadConfig
+from fxoffload_hf.executor import GraphExecutor
+from fxoffload_hf.memory import format_bytes
+from fxoffload_hf.partition import BudgetTooSmallError, Partition, partition_graph
+from fxoffload_hf.schedule import choose_resident
+from fxoffload_hf.transfer import CopyEngine, arena_bytes
+from fxoffload_hf.weights import WeightStore
+
+# share of the free budget that streaming may take under the "auto" policy; the rest can stay resident
+_STREAM_SHARE = 0.25
+
+
+@dataclass
+class Stats:
+    """Counters over the engine's lifetime."""
+
+    calls: int = 0
+    pieces_run: int = 0
+    bytes_streamed: int = 0
+    copy_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    graphs: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def add_piece(self, streamed: int, seconds: float) -> None:
+        self.pieces_run += 1
+        self.bytes_streamed += streamed
+        self.copy_seconds += seconds if streamed else 0.0
+
+    def add_call(self, wait_seconds: float) -> None:
+        self.calls += 1
+        self.wait_seconds += wait_seconds
+
+    @property
+    def hidden_copy_share(self) -> float:
+        """Share of copy time that ran behind compute (1.0 when nothing was copied)."""
+        if self.copy_seconds <= 0:
+            return 1.0
+        return max(0.0, 1.0 - self.wait_seconds / self.copy_seconds)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "calls": self.calls,
+            "graphs": self.graphs,
+            "pieces_run": self.pieces_run,
+            "bytes_streamed": self.bytes_streamed,
+            "copy_seconds": round(self.copy_seconds, 4),
+            "wait_seconds": round(self.wait_seconds, 4),
+            "hidden_copy_share": round(self.hidden_copy_share, 4),
+        }
+
+
+class Engine:
+    """Offload engine of one model; call it as a ``torch.compile`` backend."""
+
+    def __init__(self, config: OffloadConfig, store: WeightStore, fixed_bytes: int = 0) -> None:
+        self.config = config
+        self.store = store
+        self.device = config.device
+        self.fixed_bytes = fixed_bytes  # small parameters and buffers kept on the device
+        self.copy = CopyEngine(config.device)
+        self.lock = threading.RLock()
+        self.stats = Stats()
+        self.executors: list[GraphExecutor] = []
+        self.tracing = False
+
+    # -- budget ---------------------------------------------------------------------------------
+    @property
+    def budget(self) -> int | None:
+        """Bytes the engine may hold where the model computes (None: no limit)."""
+        cfg = self.config
+        if self.device.type == "cuda":
+            return cfg.gpu_memory
+        return cfg.cpu_memory if cfg.cpu_memory is not None else cfg.gpu_memory
+
+    @property
+    def budget_name(self) -> str:
+        if self.device.type == "cpu" and self.config.cpu_memory is not None:
+            return "cpu_memory"
+        return "gpu_memory"
+
+    def smallest_budget(self, largest_atom: int, activation_bytes: int) -> int:
+        return self.fixed_bytes + activation_bytes + arena_bytes([largest_atom, largest_atom])
+
+    def partition(self, graph: fx.Graph, weight_bytes: dict[fx.Node, int], activation_bytes: int) -> Partition:
+        """Partition a captured graph for this model's budget.
+
+        Raises:
+            BudgetTooSmallError: the budget cannot hold two of the largest unsplittable weight groups plus
+                the activations; the message names the smallest budget that works.
+        """
+        budget = self.budget
+        if budget is None:
+            return partition_graph(graph, weight_bytes, max(sum(weight_bytes.values()), 1))
+        available = budget - self.fixed_bytes - activation_bytes
+        share = _STREAM_SHARE if self.config.policy == "auto" else 1.0
+        target = max(int(available * share / 2), 1)
+        try:
+            result = partition_graph(graph, weight_bytes, target)
+        except BudgetTooSmallError as exc:
+            smallest = self.smallest_budget(exc.smallest_budget, activation_bytes)
+            if smallest > budget:
+                raise self._too_small(exc, smallest, activation_bytes) from None
+            result = partition_graph(graph, weight_bytes, exc.smallest_budget)
+        need = self.fixed_bytes + activation_bytes + arena_bytes([p.weight_bytes for p in result.pieces])
+        if need > budget:
+            smallest = self.smallest_budget(result.largest_atom_bytes, activation_bytes)
+            if smallest > budget:
+                raise self._too_small(BudgetTooSmallError("", smallest), smallest, activation_bytes)
+            result = partition_graph(graph, weight_bytes, result.largest_atom_bytes)
+        return result
+
+    def _too_small(self, exc: BudgetTooSmallError, smallest: int, activation_bytes: int) -> BudgetTooSmallError:
+        detail = f" ({exc})" if str(exc) else ""
+        return BudgetTooSmallError(
+            f"{self.budget_name}={format_bytes(self.budget)} is too small for this model{detail}. "
+            f"Two pieces in flight, {format_bytes(activation_bytes)} of activations and "
+            f"{format_bytes(self.fixed_bytes)} of resident small tensors need at least "
+            f"{format_bytes(smallest)}: pass {self.budget_name}={smallest} or more",
+            smallest_budget=smallest,
+        )
+
+    # -- backend --------------------------------------------------------------------------------
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> GraphExecutor:
+        """The ``torch.compile`` backend entry: one executor per captured graph."""
+        return GraphExecutor(gm, example_inputs, self)
+
+    def register(self, executor: GraphExecutor) -> None:
+        self.executors.append(executor)
+        self.stats.graphs = len(self.executors)
+        self._reserve_arena()
+
+    def schedule(self, executor: GraphExecutor) -> None:
+        """Re-plan residency from a fresh profile: unhidden copies first, within the budget."""
+        budget = self.budget
+        if budget is None or self.config.policy != "auto":
+            return
+        fixed = self.fixed_bytes + max(e.activation_bytes for e in self.executors)
+        wanted = choose_resident(executor.profile, budget, fixed)
+        streamable = {n for n, r in self.store.records.items() if r.host is None or self.device.type == "cuda"}
+        for name in streamable - wanted:
+            self.store.evict(name)
+        for name in wanted & streamable:
+            self.store.make_resident(name)
+        self._reserve_arena()
+
+    def _reserve_arena(self) -> None:
+        """Size the staging arena for the disk-tier bytes of consecutive pieces of every graph."""
+        need = 0
+        for executor in self.executors:
+            disk = [
+                sum(
+                    r.nbytes
+                    for r in (self.store.records[n] for n in names)
+                    if r.resident is None and r.host is None
+                )
+                for names in executor.piece_names
+            ]
+            if any(disk):
+                need = max(need, arena_bytes(disk))
+        self.copy.arena.reserve(need)
+
+    def close(self) -> None:
+        self.copy.close()
+        self.executors.clear()

@@ -1,0 +1,241 @@
+"""The executor: runs one captured graph piece by piece, each piece's weights loaded ahead of it.
+
+Built once per captured graph: weight placeholders are found from their ghost handles, the graph is
+partitioned and split (``torch.fx.passes.split_module``), and the top-level graph is turned into a
+list of steps. The first call profiles (copy and compute seconds per piece) and hands the profile to
+the engine's scheduler; later calls run the same steps without any mode flags.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import fx
+from torch.fx.passes.split_module import split_module
+
+from fxoffload_hf.capture import handle_of
+from fxoffload_hf.partition import Partition, partition_graph
+from fxoffload_hf.schedule import PieceProfile
+from fxoffload_hf.transfer import LoadedPiece
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from fxoffload_hf.engine import Engine
+
+
+class PieceError(RuntimeError):
+    """An exception raised inside a piece, re-raised with the piece's name."""
+
+
+@dataclass
+class Step:
+    """One top-level node of the split graph."""
+
+    node: fx.Node
+    piece: int | None  # position among the pieces in execution order, or None
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    frees: tuple[fx.Node, ...]
+
+
+@dataclass
+class PieceTiming:
+    piece: int
+    copy_start: float
+    copy_end: float
+    compute_start: float
+    compute_end: float
+
+
+def activation_peak(graph: fx.Graph, weight_nodes: set[fx.Node]) -> int:
+    """Peak bytes of live intermediates when ``graph`` runs in order (from fake example values)."""
+    last_use: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        for dep in node._input_nodes:
+            last_use[dep] = node
+    frees: dict[fx.Node, list[fx.Node]] = {}
+    for value, user in last_use.items():
+        frees.setdefault(user, []).append(value)
+    live, peak = 0, 0
+    sizes: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        if node.op not in ("placeholder", "output", "get_attr") and node not in weight_nodes:
+            sizes[node] = _value_bytes(node.meta.get("example_value", node.meta.get("val")))
+            live += sizes[node]
+            peak = max(peak, live)
+        for value in frees.get(node, ()):
+            live -= sizes.pop(value, 0)
+    return peak
+
+
+def _value_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        numel = 1
+        for dim in value.shape:
+            numel *= _hint(dim)
+        return numel * value.element_size()
+    if isinstance(value, list | tuple):
+        return sum(_value_bytes(v) for v in value)
+    return 0
+
+
+def _hint(dim: Any) -> int:
+    if isinstance(dim, int):
+        return dim
+    node = getattr(dim, "node", None)
+    hint = getattr(node, "hint", None)
+    return int(hint) if hint is not None else 1
+
+
+class GraphExecutor:
+    """Runs one captured graph within the engine's budget."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], engine: Engine) -> None:
+        self.engine = engine
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.weight_args: dict[fx.Node, int] = {}
+        weight_bytes: dict[fx.Node, int] = {}
+        names: dict[fx.Node, str] = {}
+        for index, (node, value) in enumerate(zip(placeholders, example_inputs, strict=False)):
+            handle = handle_of(value)
+            if handle is not None:
+                self.weight_args[node] = index
+                weight_bytes[node] = handle.record.nbytes
+                names[node] = handle.record.name
+        self.activation_bytes = activation_peak(gm.graph, set(weight_bytes))
+        self.partition: Partition = engine.partition(gm.graph, weight_bytes, self.activation_bytes)
+        self.split = self._split(gm)
+        self.steps, self.piece_weights = self._build_steps(placeholders)
+        self.piece_names = [tuple(names[w] for w in ws) for ws in self.piece_weights]
+        self.piece_bytes = [sum(weight_bytes[w] for w in ws) for ws in self.piece_weights]
+        self.weight_sizes = {names[w]: weight_bytes[w] for w in weight_bytes}
+        self.timings: list[PieceTiming] = []
+        self._call: Callable[[tuple[Any, ...]], Any] = self._profiled_call
+        engine.register(self)
+
+    # -- building -------------------------------------------------------------------------------
+    def _split(self, gm: fx.GraphModule) -> fx.GraphModule:
+        piece_of = self.partition.piece_of()
+        if len(self.partition.pieces) <= 1:
+            return split_module(gm, None, lambda n: 0)
+        return split_module(gm, None, lambda n: piece_of[n])
+
+    def _build_steps(self, placeholders: list[fx.Node]) -> tuple[list[Step], list[list[fx.Node]]]:
+        """Top-level nodes as steps; for each piece (in execution order) its weight placeholders."""
+        original = {n.name: n for n in placeholders}
+        top_placeholders = [n for n in self.split.graph.nodes if n.op == "placeholder"]
+        self.arg_index = {n: i for i, n in enumerate(top_placeholders)}
+        weight_top = {n for n in top_placeholders if original.get(n.name) in self.weight_args}
+        self.weight_top = weight_top
+        last_use: dict[fx.Node, fx.Node] = {}
+        for node in self.split.graph.nodes:
+            for dep in node._input_nodes:
+                last_use[dep] = node
+        frees: dict[fx.Node, list[fx.Node]] = {}
+        for value, user in last_use.items():
+            if value not in weight_top:
+                frees.setdefault(user, []).append(value)
+        steps: list[Step] = []
+        piece_weights: list[list[fx.Node]] = []
+        for node in self.split.graph.nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            piece = None
+            if node.op == "call_module":
+                piece = len(piece_weights)
+                piece_weights.append([original[a.name] for a in node.args if a in weight_top])
+                fn = getattr(self.split, node.target)
+            elif node.op == "call_function":
+                fn = node.target
+            else:
+                raise NotImplementedError(f"unexpected top-level node {node.op} in split graph")
+            steps.append(Step(node, piece, fn, tuple(node.args), tuple(frees.get(node, ()))))
+        self.output_node = next(n for n in self.split.graph.nodes if n.op == "output")
+        return steps, piece_weights
+
+    # -- running --------------------------------------------------------------------------------
+    def __call__(self, *args: Any) -> Any:
+        return self._call(args)
+
+    def _records(self, args: tuple[Any, ...], piece: int) -> list[Any]:
+        return [handle_of(args[self.weight_args[w]]).record for w in self.piece_weights[piece]]  # type: ignore[union-attr]
+
+    def _run(self, args: tuple[Any, ...], profile: bool) -> Any:
+        engine = self.engine
+        copy = engine.copy
+        env: dict[fx.Node, Any] = {}
+        for node, index in self.arg_index.items():
+            if node not in self.weight_top:
+                env[node] = args[index]
+        pieces = len(self.piece_weights)
+        pending: Future[LoadedPiece] | None = copy.submit(self._records(args, 0), 0) if pieces else None
+        wait_seconds = 0.0
+        for step in self.steps:
+            if step.piece is None:
+                env[step.node] = step.fn(*[env[a] if isinstance(a, fx.Node) else a for a in step.args])
+            else:
+                assert pending is not None
+                waited = time.perf_counter()
+                loaded = pending.result()
+                wait_seconds += time.perf_counter() - waited
+                weights = copy.ready(loaded)
+                if step.piece + 1 < pieces:
+                    pending = copy.submit(self._records(args, step.piece + 1), (step.piece + 1) % 2)
+                call_args = [
+                    (weights[handle_of(args[self.arg_index[a]]).record.name] if a in self.weight_top else env[a])  # type: ignore[union-attr]
+                    if isinstance(a, fx.Node)
+                    else a
+                    for a in step.args
+                ]
+                start = time.perf_counter()
+                try:
+                    result = step.fn(*call_args)
+                except Exception as exc:
+                    raise PieceError(
+                        f"piece {step.piece} ({step.node.target}) of a graph offloaded by fxoffload_hf failed: {exc}"
+                    ) from exc
+                del call_args
+                if profile and engine.device.type == "cuda":
+                    torch.cuda.synchronize(engine.device)
+                end = time.perf_counter()
+                if loaded.streamed_bytes and engine.device.type == "cpu":
+                    result = copy.detach_from_arena(result)
+                env[step.node] = result
+                del weights
+                engine.stats.add_piece(loaded.streamed_bytes, loaded.seconds)
+                if profile or engine.tracing:
+                    self.timings.append(
+                        PieceTiming(step.piece, loaded.started, loaded.started + loaded.seconds, start, end)
+                    )
+            for value in step.frees:
+                env.pop(value, None)
+        engine.stats.add_call(wait_seconds)
+        out = self.output_node.args[0]
+        return fx.node.map_arg(out, lambda n: env[n] if n not in self.weight_top else args[self.arg_index[n]])
+
+    def _profiled_call(self, args: tuple[Any, ...]) -> Any:
+        self.timings = []
+        result = self._run(args, profile=True)
+        profiles = []
+        for timing in self.timings:
+            names = self.piece_names[timing.piece]
+            profiles.append(
+                PieceProfile(
+                    weights=names,
+                    weight_bytes={n: self.weight_sizes[n] for n in names},
+                    copy_seconds=timing.copy_end - timing.copy_start,
+                    compute_seconds=timing.compute_end - timing.compute_start,
+                )
+            )
+        self.profile = profiles
+        self.engine.schedule(self)
+        self._call = self._steady_call
+        return result
+
+    def _steady_call(self, args: tuple[Any, ...]) -> Any:
+        return self._run(args, profile=False)

@@ -1,0 +1,80 @@
+"""What memory is free, and how big things are."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import torch
+
+
+def free_host_memory() -> int:
+    """Bytes of host RAM available to this process, honouring a cgroup limit when one is set."""
+    available = psutil.virtual_memory().available
+    limit = _cgroup_limit()
+    if limit is not None:
+        available = min(available, max(limit - _cgroup_usage(), 0))
+    return int(available)
+
+
+def free_device_memory(device: torch.device) -> int:
+    """Free bytes on a CUDA device (``torch.cuda.mem_get_info``)."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes the tensor's elements take once materialized (ghosts and views count in full)."""
+    return tensor.numel() * tensor.element_size()
+
+
+def process_memory() -> dict[str, int]:
+    """Resident private (anonymous) and file-backed bytes of this process, from ``/proc``."""
+    info = psutil.Process().memory_full_info()
+    private = getattr(info, "uss", info.rss)
+    shared = getattr(info, "shared", 0)
+    return {"rss": int(info.rss), "private": int(private), "file_backed": int(shared)}
+
+
+def format_bytes(nbytes: int | float | None) -> str:
+    """Human-readable binary size, e.g. ``'1.50 GiB'``."""
+    if nbytes is None:
+        return "unlimited"
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
+
+
+def _cgroup_limit() -> int | None:
+    text = _cgroup_file("memory.limit_in_bytes", "memory.max")
+    if text is None or text == "max":
+        return None
+    limit = int(text)
+    return None if limit >= 2**60 else limit
+
+
+def _cgroup_usage() -> int:
+    text = _cgroup_file("memory.usage_in_bytes", "memory.current")
+    return int(text) if text and text.isdigit() else 0
+
+
+def _cgroup_file(v1_name: str, v2_name: str) -> str | None:
+    """Read a file of this process's own memory cgroup (v1 or v2), or None."""
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _id, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidate = os.path.join("/sys/fs/cgroup", path.lstrip("/"), v2_name)
+        elif "memory" in controllers.split(","):
+            candidate = os.path.join("/sys/fs/cgroup/memory", path.lstrip("/"), v1_name)
+        else:
+            continue
+        if os.path.exists(candidate):
+            return open(candidate).read().strip()
+    return None

@@ -1,0 +1,268 @@
+"""The resource partitioner: cut a graph into sequential pieces whose weights fit a byte budget.
+
+Pure: a graph, the bytes of each weight node and a budget in, pieces out; no IO, devices or timing.
+
+The graph is first grouped into *atoms*, runs of nodes that must share a piece, laid out in an order
+that is itself topological:
+
+- a node's ``getitem`` users (a tuple is never split from its parts);
+- its *epilogue*: the chain of cheap pointwise or view ops that alone consume its result (a projection
+  with its bias add and activation, a norm with its scale);
+- *free* nodes, whose inputs are only placeholders, attributes or other free nodes (a transposed
+  weight, an ``arange``): pulled forward to just before their first user, so a weight never travels
+  into a piece that does not load it.
+
+Pieces are then contiguous runs of atoms, filled greedily, so they are topologically ordered by
+construction and fusion groups are never split. Every step touches each node and edge a bounded number
+of times: the work is linear in the size of the graph.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from fxoffload_hf.memory import format_bytes
+
+_EPILOGUE_FUNCTIONS = {
+    operator.add,
+    operator.sub,
+    operator.mul,
+    operator.truediv,
+    operator.neg,
+    torch.add,
+    torch.sub,
+    torch.mul,
+    torch.div,
+    torch.neg,
+    torch.tanh,
+    torch.sigmoid,
+    torch.relu,
+    torch.rsqrt,
+    torch.pow,
+    torch.nn.functional.gelu,
+    torch.nn.functional.silu,
+    torch.nn.functional.relu,
+    torch.nn.functional.dropout,
+    torch.nn.functional.softmax,
+    torch.reshape,
+    torch.flatten,
+    torch.transpose,
+    torch.permute,
+}
+_EPILOGUE_METHODS = {
+    "add", "sub", "mul", "div", "neg", "tanh", "sigmoid", "relu", "pow", "rsqrt", "to", "float", "half",
+    "bfloat16", "type", "type_as", "contiguous", "view", "reshape", "transpose", "permute", "flatten",
+    "unsqueeze", "squeeze", "expand",
+}  # fmt: skip
+
+
+class BudgetTooSmallError(ValueError):
+    """A weight (or a group of weights that must load together) is larger than the piece budget."""
+
+    def __init__(self, message: str, smallest_budget: int) -> None:
+        super().__init__(message)
+        self.smallest_budget = smallest_budget
+
+
+@dataclass
+class Piece:
+    """A run of nodes that load their weights together."""
+
+    index: int
+    nodes: list[fx.Node] = field(default_factory=list)
+    weights: list[fx.Node] = field(default_factory=list)
+    weight_bytes: int = 0
+
+
+@dataclass
+class Partition:
+    """The pieces, in execution order, and how much work it took to find them."""
+
+    pieces: list[Piece]
+    budget: int
+    largest_atom_bytes: int
+    work: int
+
+    def piece_of(self) -> dict[fx.Node, int]:
+        return {node: piece.index for piece in self.pieces for node in piece.nodes}
+
+
+def _is_compute(node: fx.Node) -> bool:
+    return node.op in ("call_function", "call_method", "call_module")
+
+
+def _has_side_effects(node: fx.Node) -> bool:
+    """In-place ops, setitem and context/grad-mode switches: never moved from where dynamo put them."""
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return (
+        target is operator.setitem
+        or (name.endswith("_") and not name.endswith("__"))
+        or name in ("_enter_autocast", "_exit_autocast", "_set_grad_enabled")
+    )
+
+
+def _is_epilogue_op(node: fx.Node) -> bool:
+    if _has_side_effects(node):
+        return False
+    if node.op == "call_function":
+        return node.target in _EPILOGUE_FUNCTIONS
+    return node.op == "call_method" and node.target in _EPILOGUE_METHODS
+
+
+class _Grouper:
+    """Lays the graph out as atoms; counts every node and edge it visits in ``work``."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.nodes = list(graph.nodes)
+        self.work = 0
+        self.free = self._free_nodes()
+        self.emitted: set[fx.Node] = set()
+
+    def _free_nodes(self) -> set[fx.Node]:
+        # a value that something mutates in place must be read where dynamo put the read
+        self.mutated: set[fx.Node] = set()
+        for node in self.nodes:
+            self.work += 1 + len(node._input_nodes)
+            if _is_compute(node) and _has_side_effects(node):
+                self.mutated.update(node._input_nodes)
+        free: set[fx.Node] = set()
+        for node in self.nodes:
+            self.work += 1 + len(node._input_nodes)
+            if (
+                _is_compute(node)
+                and not _has_side_effects(node)
+                and all(
+                    (i.op in ("placeholder", "get_attr") and i not in self.mutated) or i in free
+                    for i in node._input_nodes
+                )
+            ):
+                free.add(node)
+        return free
+
+    def atoms(self) -> list[list[fx.Node]]:
+        result = []
+        for node in self.nodes:
+            self.work += 1
+            if not _is_compute(node) or node in self.emitted or node in self.free:
+                continue
+            atom: list[fx.Node] = []
+            self._emit(node, atom)
+            self._emit_followers(node, atom)
+            result.append(atom)
+        # free nodes nobody computes on (e.g. returned as outputs) still need a home
+        leftovers = [n for n in self.nodes if _is_compute(n) and n not in self.emitted]
+        for node in leftovers:
+            atom = []
+            self._emit(node, atom)
+            result.append(atom)
+        return result
+
+    def _emit(self, node: fx.Node, atom: list[fx.Node]) -> None:
+        """Emit ``node`` after the free nodes it needs that are not emitted yet (iteratively)."""
+        stack: list[tuple[fx.Node, bool]] = [(node, False)]
+        while stack:
+            current, expanded = stack.pop()
+            if current in self.emitted:
+                continue
+            if expanded:
+                self.emitted.add(current)
+                atom.append(current)
+                continue
+            stack.append((current, True))
+            for dep in current._input_nodes:
+                self.work += 1
+                if dep in self.free and dep not in self.emitted:
+                    stack.append((dep, False))
+
+    def _emit_followers(self, anchor: fx.Node, atom: list[fx.Node]) -> None:
+        current = anchor
+        while True:
+            users = list(current.users)
+            self.work += 1 + len(users)
+            getitems = [u for u in users if u.op == "call_function" and u.target is operator.getitem]
+            if getitems:
+                for item in getitems:
+                    if self._ready(item):
+                        self._emit(item, atom)
+                return
+            if len(users) != 1:
+                return
+            (user,) = users
+            if user in self.emitted or not _is_epilogue_op(user) or not self._ready(user):
+                return
+            self._emit(user, atom)
+            current = user
+
+    def _ready(self, node: fx.Node) -> bool:
+        """All of ``node``'s inputs are available once its free inputs are emitted."""
+        for dep in node._input_nodes:
+            self.work += 1
+            if dep in self.mutated:
+                return False
+            if dep.op in ("placeholder", "get_attr") or dep in self.emitted or dep in self.free:
+                continue
+            return False
+        return True
+
+
+def partition_graph(graph: fx.Graph, weight_bytes: Mapping[fx.Node, int], budget: int) -> Partition:
+    """Cut ``graph`` into sequential pieces whose weights (nodes in ``weight_bytes``) fit ``budget``.
+
+    A weight used by several pieces counts in each of them. Pieces are in a valid execution order.
+
+    Raises:
+        BudgetTooSmallError: an atom's weights exceed ``budget``; the message names its largest weight
+            and the smallest budget that works.
+    """
+    grouper = _Grouper(graph)
+    atoms = grouper.atoms()
+    work = grouper.work
+
+    atom_weights: list[list[fx.Node]] = []
+    largest, largest_atom = 0, -1
+    for index, atom in enumerate(atoms):
+        seen: dict[fx.Node, None] = {}
+        for node in atom:
+            for dep in node._input_nodes:
+                work += 1
+                if dep in weight_bytes:
+                    seen[dep] = None
+        weights = list(seen)
+        atom_weights.append(weights)
+        size = sum(weight_bytes[w] for w in weights)
+        if size > largest:
+            largest, largest_atom = size, index
+    if largest > budget:
+        heaviest = max(atom_weights[largest_atom], key=lambda w: weight_bytes[w])
+        raise BudgetTooSmallError(
+            f"weight {heaviest.name!r} ({format_bytes(weight_bytes[heaviest])}, loaded together with "
+            f"{len(atom_weights[largest_atom]) - 1} other weight(s) of its op) does not fit the piece budget of "
+            f"{format_bytes(budget)}; the smallest piece budget that works is {format_bytes(largest)}",
+            smallest_budget=largest,
+        )
+
+    pieces = [Piece(0)]
+    in_piece: set[fx.Node] = set()
+    for atom, weights in zip(atoms, atom_weights, strict=True):
+        new = [w for w in weights if w not in in_piece]
+        added = sum(weight_bytes[w] for w in new)
+        work += 1 + len(weights)
+        piece = pieces[-1]
+        if piece.nodes and added and piece.weight_bytes + added > budget:
+            piece = Piece(len(pieces))
+            pieces.append(piece)
+            in_piece = set()
+            new, added = weights, sum(weight_bytes[w] for w in weights)
+        piece.nodes.extend(atom)
+        piece.weights.extend(new)
+        piece.weight_bytes += added
+        in_piece.update(new)
+    if not pieces[0].nodes:
+        pieces = []
+    return Partition(pieces, budget, largest, work)

@@ -1,0 +1,156 @@
+"""The copy engine: brings a piece's weights to the compute device while the piece before computes.
+
+- CPU device: host-tier weights are used in place (no copy); disk-tier weights are read by a read-ahead
+  thread straight into a staging arena (``os.preadv``, page cache dropped after the read).
+- CUDA device: host-tier weights (pinned) are copied on a side stream ordered by events, with
+  ``record_stream`` so the caching allocator never reuses memory a copy or kernel still uses; disk-tier
+  weights pass through a pinned staging arena first.
+
+The staging arena holds two pieces at once: even pieces are laid out from its front, odd pieces from its
+back, so two consecutive pieces never overlap as long as their sizes add up to its capacity.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from fxoffload_hf.safetensors_io import read_into
+from fxoffload_hf.weights import WeightRecord, as_typed
+
+_ALIGN = 64
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass
+class LoadedPiece:
+    """The tensors of one piece, ready on the device, and how long bringing them took."""
+
+    tensors: dict[str, torch.Tensor]
+    started: float
+    seconds: float
+    streamed_bytes: int
+    event: torch.cuda.Event | None = None
+
+
+class StagingArena:
+    """One host buffer that two consecutive pieces share, from its two ends."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.numel()
+
+    def reserve(self, capacity: int) -> None:
+        """Grow to at least ``capacity`` bytes (only between calls: nothing may live in it then)."""
+        if capacity > self.capacity:
+            self.buffer = torch.empty(0, dtype=torch.uint8)
+            self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pin)
+
+    def layout(self, sizes: list[int], side: int) -> list[torch.Tensor]:
+        """Byte views for tensors of ``sizes`` from the front (side 0) or the back (side 1)."""
+        total = sum(_aligned(s) for s in sizes)
+        if total > self.capacity:
+            raise RuntimeError(f"staging arena of {self.capacity} bytes cannot hold a piece of {total} bytes")
+        start = 0 if side == 0 else self.capacity - total
+        views, offset = [], start
+        for size in sizes:
+            views.append(self.buffer[offset : offset + size])
+            offset += _aligned(size)
+        return views
+
+    def release(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+
+def arena_bytes(streamed_piece_bytes: list[int]) -> int:
+    """Capacity a staging arena needs for these pieces, run in order (and the first after the last)."""
+    sizes = [_aligned(b) + _ALIGN * 8 for b in streamed_piece_bytes] or [0]
+    pairs = [a + b for a, b in zip(sizes, sizes[1:], strict=False)]
+    return max(pairs + sizes)
+
+
+class CopyEngine:
+    """Loads pieces in the background; one per model, shared by all of its graphs."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.arena = StagingArena(pin=self.is_cuda)
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fxoffload-read")
+        self.stream = torch.cuda.Stream(device) if self.is_cuda else None
+
+    def submit(self, records: list[WeightRecord], side: int) -> Future[LoadedPiece]:
+        """Start bringing ``records`` to the device; the future resolves once they can be used."""
+        return self._reader.submit(self._load, records, side)
+
+    def _load(self, records: list[WeightRecord], side: int) -> LoadedPiece:
+        start = time.perf_counter()
+        tensors: dict[str, torch.Tensor] = {}
+        from_disk = [r for r in records if r.resident is None and r.host is None]
+        streamed = 0
+        if from_disk:
+            sources = [r.disk for r in from_disk]
+            views = self.arena.layout([s.nbytes for s in sources if s is not None], side)
+            read_into([s for s in sources if s is not None], views)
+            for record, view in zip(from_disk, views, strict=True):
+                assert record.disk is not None
+                value = as_typed(view, record.disk)
+                tensors[record.name] = value if value.dtype == record.dtype else value.to(record.dtype)
+                streamed += record.nbytes
+        for record in records:
+            if record.resident is not None:
+                tensors[record.name] = record.resident
+            elif record.host is not None:
+                tensors[record.name] = record.host
+                streamed += record.nbytes if self.is_cuda else 0
+        event = None
+        if self.is_cuda:
+            tensors, event = self._to_device(tensors)
+        return LoadedPiece(tensors, start, time.perf_counter() - start, streamed, event)
+
+    def _to_device(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
+        assert self.stream is not None
+        out: dict[str, torch.Tensor] = {}
+        with torch.cuda.stream(self.stream):
+            for name, tensor in tensors.items():
+                out[name] = tensor if tensor.device == self.device else tensor.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        # staged host bytes may be overwritten by the next read only after these copies finish
+        event.synchronize()
+        return out, event
+
+    def ready(self, piece: LoadedPiece) -> dict[str, torch.Tensor]:
+        """Order the compute stream after the piece's copies (no host-blocking wait on CUDA)."""
+        if piece.event is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(piece.event)
+            for tensor in piece.tensors.values():
+                if tensor.device.type == "cuda":
+                    tensor.record_stream(compute)
+        return piece.tensors
+
+    def detach_from_arena(self, value: Any) -> Any:
+        """Clone any tensor in ``value`` that views the staging arena, which the next pieces overwrite."""
+        if self.arena.capacity == 0:
+            return value
+        arena = self.arena.buffer.untyped_storage().data_ptr()
+        return tree_map_only(
+            torch.Tensor, lambda t: t.clone() if t.untyped_storage().data_ptr() == arena else t, value
+        )
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=True, cancel_futures=True)
+        self.arena.release()

@@ -1,0 +1,191 @@
+"""``WeightStore``: every offloaded weight of one model by name, each in one tier.
+
+Tiers: ``device`` (kept on the compute device), ``host`` (in host RAM, pinned when the device is CUDA),
+``disk`` (a byte range of a safetensors file: the original checkpoint read in place, or a file written
+once to ``offload_folder``). Tied weights are one record under their first name, with aliases.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import tempfile
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from fxoffload_hf.memory import format_bytes
+from fxoffload_hf.safetensors_io import CheckpointError, TensorSlice, read_header, read_into
+
+
+class Tier(enum.StrEnum):
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+@dataclass
+class WeightRecord:
+    """One weight: its identity, its tier, and where its bytes are."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    host: torch.Tensor | None = None
+    disk: TensorSlice | None = None
+    resident: torch.Tensor | None = None
+    aliases: list[str] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def tier(self) -> Tier:
+        if self.resident is not None:
+            return Tier.DEVICE
+        return Tier.HOST if self.host is not None else Tier.DISK
+
+
+class WeightStore:
+    """The weights of one model, by name, across tiers. Thread-safe for concurrent reads."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.records: dict[str, WeightRecord] = {}
+        self._spilled_files: list[Path] = []
+        self._lock = threading.Lock()
+
+    # -- building -------------------------------------------------------------------------------
+    def add_host(self, name: str, tensor: torch.Tensor) -> WeightRecord:
+        """Hold ``tensor`` (already in host memory, or on the device) under ``name``."""
+        record = WeightRecord(name, tuple(tensor.shape), tensor.dtype)
+        if tensor.device == self.device:
+            record.resident = tensor.detach()
+        if tensor.device.type == "cpu":
+            record.host = tensor.detach()
+        elif record.resident is None:
+            record.host = tensor.detach().cpu()
+        self.records[name] = record
+        return record
+
+    def add_disk(self, name: str, source: TensorSlice, dtype: torch.dtype | None = None) -> WeightRecord:
+        """Point ``name`` at a byte range of a safetensors file (read lazily, never copied)."""
+        dtype = dtype or source.dtype
+        record = WeightRecord(name, source.shape, dtype, disk=source)
+        self.records[name] = record
+        return record
+
+    def add_alias(self, name: str, alias: str) -> None:
+        self.records[name].aliases.append(alias)
+
+    # -- tiers ----------------------------------------------------------------------------------
+    def spill_to_disk(self, names: list[str], folder: Path) -> Path | None:
+        """Write the host tensors of ``names`` once to ``folder`` (atomically) and drop them from RAM.
+
+        Raises:
+            OSError: the folder cannot be written (no space, no permission); nothing partial is left.
+        """
+        todo = {n: self.records[n] for n in names if self.records[n].host is not None}
+        if not todo:
+            return None
+        folder.mkdir(parents=True, exist_ok=True)
+        final = folder / f"fxoffload-{uuid.uuid4().hex[:12]}.safetensors"
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".partial-", suffix=".safetensors")
+        os.close(fd)
+        try:
+            tensors = {n: r.host.contiguous() for n, r in todo.items() if r.host is not None}
+            save_file(tensors, tmp)
+            del tensors
+            os.replace(tmp, final)
+        except BaseException as exc:
+            Path(tmp).unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                raise OSError(
+                    exc.errno, f"cannot write offloaded weights to {folder}: {exc.strerror}; free space there or "
+                    "choose another offload_folder"
+                ) from exc
+            raise
+        slices = read_header(final)
+        for name, record in todo.items():
+            record.disk = slices[name]
+            record.host = None
+            if self.device.type == "cpu":
+                record.resident = None
+        self._spilled_files.append(final)
+        return final
+
+    def make_resident(self, name: str) -> None:
+        """Keep ``name`` on the compute device from now on."""
+        record = self.records[name]
+        if record.resident is not None:
+            return
+        record.resident = self.read(record).to(self.device)
+
+    def evict(self, name: str) -> None:
+        """Stop keeping ``name`` on the device (it stays in its host or disk tier)."""
+        record = self.records[name]
+        if record.host is not None and record.host.device == self.device:
+            return
+        if record.host is None and record.disk is None:
+            return
+        record.resident = None
+
+    def read(self, record: WeightRecord, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight's values on the host: its host tensor, or read from disk into ``out`` if given."""
+        if record.host is not None:
+            return record.host
+        if record.resident is not None and record.disk is None:
+            return record.resident
+        source = record.disk
+        assert source is not None
+        buffer = out if out is not None else torch.empty(source.nbytes, dtype=torch.uint8)
+        read_into([source], [buffer])
+        return as_typed(buffer, source).to(record.dtype)
+
+    # -- facts ----------------------------------------------------------------------------------
+    def bytes_in(self, tier: Tier) -> int:
+        return sum(r.nbytes for r in self.records.values() if r.tier == tier)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.nbytes for r in self.records.values())
+
+    def check_sources(self) -> None:
+        """Re-read the headers of every file the disk tier uses; raise ``CheckpointError`` naming any bad one."""
+        paths = {r.disk.path for r in self.records.values() if r.disk is not None}
+        for path in sorted(paths):
+            slices = read_header(path)
+            for record in self.records.values():
+                if record.disk is not None and record.disk.path == path:
+                    now = slices.get(record.disk.key)
+                    if now is None or now.offset != record.disk.offset or now.nbytes != record.disk.nbytes:
+                        raise CheckpointError(
+                            f"{path}: tensor {record.disk.key!r} changed since the model was loaded; "
+                            "restore the original file or load the model again"
+                        )
+
+    def summary(self) -> str:
+        parts = [f"{t.value} {format_bytes(self.bytes_in(t))}" for t in Tier]
+        return f"{len(self.records)} weights, " + ", ".join(parts)
+
+    def close(self) -> None:
+        """Drop every tensor and delete the files this store wrote (never the checkpoint's own)."""
+        for record in self.records.values():
+            record.resident = None
+            record.host = None
+        for path in self._spilled_files:
+            path.unlink(missing_ok=True)
+        self._spilled_files.clear()
+
+
+def as_typed(buffer: torch.Tensor, source: TensorSlice) -> torch.Tensor:
+    """View raw bytes in ``buffer`` as the tensor ``source`` describes."""
+    return buffer[: source.nbytes].view(source.dtype).view(source.shape)
