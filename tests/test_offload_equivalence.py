@@ -1,0 +1,155 @@
+"""Offloaded runs equal eager runs, bit for bit in fp32 on the CPU, on the host and disk tiers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_model, example_input, weight_bytes
+
+import fxoffload_hf
+from fxoffload_hf.weights import Tier
+
+KINDS = ["llama", "gpt2", "bert", "mlp"]
+
+
+def _output(model, x):
+    out = model(x)
+    if isinstance(out, torch.Tensor):
+        return out
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def _tier_budget(kind: str, tier: str, total: int) -> dict:
+    # small enough for at least 4 pieces; the disk tier keeps well under the model in RAM
+    if tier == "host":
+        return {"gpu_memory": int(total * 0.5), "device": "cpu"}
+    return {"cpu_memory": int(total * 0.6), "device": "cpu", "policy": "sequential"}
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_offloaded_forward_equals_eager(kind, tier, tmp_path):
+    model = build_model(kind)
+    x = example_input(kind)
+    with torch.no_grad():
+        expected = _output(model, x)
+    fxoffload_hf.offload(model, offload_folder=tmp_path, **_tier_budget(kind, tier, weight_bytes(model)))
+    try:
+        with torch.no_grad():
+            first = _output(model, x)
+            second = _output(model, x)
+        engine = fxoffload_hf.engine_of(model)
+        assert max(len(e.piece_weights) for e in engine.executors) >= 4
+        if tier == "disk":
+            assert engine.store.bytes_in(Tier.DISK) > 0
+            assert engine.stats.bytes_streamed > 0
+        assert torch.equal(first, expected)
+        assert torch.equal(second, expected)
+    finally:
+        fxoffload_hf.restore(model)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_greedy_generate_gives_eager_tokens(kind, tier, tmp_path):
+    model = build_model(kind)
+    ids = example_input(kind)[:1]
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    fxoffload_hf.offload(model, offload_folder=tmp_path, **_tier_budget(kind, tier, weight_bytes(model)))
+    try:
+        with torch.no_grad():
+            tokens = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert torch.equal(tokens, expected)
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_restore_puts_back_parameters_and_forward(tmp_path):
+    model = build_model("llama")
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    had_forward = "forward" in model.__dict__
+    fxoffload_hf.offload(model, cpu_memory=int(weight_bytes(model) * 0.6), offload_folder=tmp_path, device="cpu")
+    with torch.no_grad():
+        model(example_input("llama"))
+    fxoffload_hf.restore(model)
+    assert ("forward" in model.__dict__) == had_forward
+    for name, param in model.named_parameters():
+        original, values = before[name]
+        assert param is original
+        assert torch.equal(param, values)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tied_weights_are_stored_once():
+    model = build_model("llama", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    x = example_input("llama")
+    with torch.no_grad():
+        expected = model(x).logits
+    fxoffload_hf.offload(model, gpu_memory=int(weight_bytes(model) * 0.6), device="cpu")
+    try:
+        store = fxoffload_hf.engine_of(model).store
+        tied = [r for r in store.records.values() if r.aliases]
+        assert len(tied) == 1 and tied[0].shape == (1000, 128)
+        assert store.total_bytes == sum(
+            p.numel() * 4 for p in model.parameters() if p.numel() * 4 >= 64 * 1024
+        )
+        with torch.no_grad():
+            assert torch.equal(model(x).logits, expected)
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_calling_an_offloaded_submodule_directly_fails_loudly():
+    model = build_model("llama")
+    fxoffload_hf.offload(model, gpu_memory=int(weight_bytes(model) * 0.6), device="cpu")
+    try:
+        with pytest.raises(RuntimeError, match="offloaded by fxoffload_hf"):
+            model.lm_head(torch.zeros(1, 128))
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_graph_breaks_are_offloaded_too():
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(256, 256)
+            self.b = torch.nn.Linear(256, 256)
+
+        def forward(self, x):
+            x = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(x)
+
+    torch.manual_seed(0)
+    model = Broken().eval()
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        expected = model(x)
+    fxoffload_hf.offload(model, gpu_memory=700_000, device="cpu")
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(x), expected)
+        assert len(fxoffload_hf.engine_of(model).executors) == 2
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_budget_too_small_names_the_weight_and_the_smallest_budget():
+    model = build_model("llama")
+    with pytest.raises(ValueError, match=r"too small.*pass gpu_memory=\d+"):
+        fxoffload_hf.offload(model, gpu_memory=200_000, device="cpu")
+    # nothing half-offloaded
+    assert not hasattr(model, "_fxoffload_state")
+    assert all(p.stride()[-1] == 1 and not p.isnan().any() for p in model.parameters())
+
+
+def test_wrong_device_is_refused():
+    model = build_model("mlp")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        fxoffload_hf.offload(model, device="cuda")
