@@ -8,8 +8,8 @@ that is itself topological:
 - a node's ``getitem`` users (a tuple is never split from its parts);
 - its *epilogue*: the chain of cheap pointwise or view ops that alone consume its result (a projection
   with its bias add and activation, a norm with its scale);
-- *free* nodes, whose inputs are only placeholders, attributes or other free nodes (a transposed
-  weight, an ``arange``): pulled forward to just before their first user, so a weight never travels
+- *free* nodes, whose inputs are only weights or other free nodes (a transposed weight, an
+  ``arange``): pulled forward to just before their first user, so a weight never travels
   into a piece that does not load it.
 
 Pieces are then contiguous runs of atoms, filled greedily, so they are topologically ordered by
@@ -118,8 +118,9 @@ def _is_epilogue_op(node: fx.Node) -> bool:
 class _Grouper:
     """Lays the graph out as atoms; counts every node and edge it visits in ``work``."""
 
-    def __init__(self, graph: fx.Graph) -> None:
+    def __init__(self, graph: fx.Graph, weights: Mapping[fx.Node, int]) -> None:
         self.nodes = list(graph.nodes)
+        self.weights = weights
         self.work = 0
         self.free = self._free_nodes()
         self.emitted: set[fx.Node] = set()
@@ -137,10 +138,7 @@ class _Grouper:
             if (
                 _is_compute(node)
                 and not _has_side_effects(node)
-                and all(
-                    (i.op in ("placeholder", "get_attr") and i not in self.mutated) or i in free
-                    for i in node._input_nodes
-                )
+                and all((i in self.weights and i not in self.mutated) or i in free for i in node._input_nodes)
             ):
                 free.add(node)
         return free
@@ -220,7 +218,7 @@ def partition_graph(graph: fx.Graph, weight_bytes: Mapping[fx.Node, int], budget
         BudgetTooSmallError: an atom's weights exceed ``budget``; the message names its largest weight
             and the smallest budget that works.
     """
-    grouper = _Grouper(graph)
+    grouper = _Grouper(graph, weight_bytes)
     atoms = grouper.atoms()
     work = grouper.work
 
