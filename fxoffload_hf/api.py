@@ -14,7 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxoffload_hf.capture import HANDLE_ATTR, GhostHandle, compile_entry, guard_hook, inside_engine, make_ghost
+from fxoffload_hf.capture import (
+    HANDLE_ATTR,
+    GhostHandle,
+    compile_entry,
+    guard_hook,
+    inside_engine,
+    make_ghost,
+)
 from fxoffload_hf.config import BudgetSpec, OffloadConfig
 from fxoffload_hf.engine import Engine
 from fxoffload_hf.memory import format_bytes, tensor_nbytes
@@ -71,12 +78,17 @@ def offload(
     if getattr(model, STATE_ATTR, None) is not None:
         raise ValueError("this model is already offloaded; call fxoffload_hf.restore(model) first")
     config = OffloadConfig.build(
-        gpu_memory=gpu_memory, cpu_memory=cpu_memory, offload_folder=offload_folder, device=device, policy=policy
+        gpu_memory=gpu_memory,
+        cpu_memory=cpu_memory,
+        offload_folder=offload_folder,
+        device=device,
+        policy=policy,
     )
     checkpoint = checkpoint or {}
     store = WeightStore(config.device)
     owners = _parameter_owners(model)
-    large, small = [], []
+    large: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]], str]] = []
+    small: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]], str]] = []
     for param, uses in owners.items():
         name = uses[0][2]
         on_meta = param.device.type == "meta"
@@ -183,7 +195,9 @@ def _undo(model: nn.Module, state: _OffloadState) -> None:
             original.data = store.read(record).clone() if record.host is None else record.host
         module._parameters[attr] = original
     for module, attr, data in state.moved_params:
-        module._parameters[attr].data = data
+        param = module._parameters[attr]
+        assert param is not None
+        param.data = data
     for module, bname, buf in state.moved_buffers:
         module._buffers[bname] = buf
     state.engine.close()

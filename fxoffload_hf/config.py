@@ -65,7 +65,9 @@ def parse_budget(value: BudgetSpec, *, free_bytes: int | None = None, what: str 
             raise ValueError(f"{what}: {value!r} is a share of free memory, but free memory is unknown here")
         return int(free_bytes * number / 100)
     if unit not in _UNITS:
-        raise ValueError(f"{what}: unknown unit {match.group(2)!r} in {value!r}; use B, KB, MB, GB, KiB, MiB or GiB")
+        raise ValueError(
+            f"{what}: unknown unit {match.group(2)!r} in {value!r}; use B, KB, MB, GB, KiB, MiB or GiB"
+        )
     nbytes = int(number * _UNITS[unit])
     if nbytes <= 0:
         raise ValueError(f"{what}: must be positive, got {value!r}; pass None for no limit")
@@ -75,17 +77,25 @@ def parse_budget(value: BudgetSpec, *, free_bytes: int | None = None, what: str 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """``None`` means CUDA when available, else CPU; a CUDA device that is absent is an error."""
     if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device: cannot read {device!r} ({exc}); use 'cpu', 'cuda' or 'cuda:N'") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device: {device!r} was asked for but CUDA is not available here; use device='cpu'")
+            raise ValueError(
+                f"device: {device!r} was asked for but CUDA is not available here; use device='cpu'"
+            )
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         if index >= torch.cuda.device_count():
-            raise ValueError(f"device: {device!r} does not exist; this machine has {torch.cuda.device_count()} GPU(s)")
+            raise ValueError(
+                f"device: {device!r} does not exist; this machine has {torch.cuda.device_count()} GPU(s)"
+            )
         return torch.device("cuda", index)
     if dev.type != "cpu":
         raise ValueError(f"device: {dev.type!r} is not supported; use 'cpu' or 'cuda'")

@@ -96,7 +96,9 @@ class Engine:
     def smallest_budget(self, largest_atom: int, activation_bytes: int) -> int:
         return self.fixed_bytes + activation_bytes + arena_bytes([largest_atom, largest_atom])
 
-    def partition(self, graph: fx.Graph, weight_bytes: dict[fx.Node, int], activation_bytes: int) -> Partition:
+    def partition(
+        self, graph: fx.Graph, weight_bytes: dict[fx.Node, int], activation_bytes: int
+    ) -> Partition:
         """Partition a captured graph for this model's budget.
 
         Raises:
@@ -124,7 +126,9 @@ class Engine:
             result = partition_graph(graph, weight_bytes, result.largest_atom_bytes)
         return result
 
-    def _too_small(self, exc: BudgetTooSmallError, smallest: int, activation_bytes: int) -> BudgetTooSmallError:
+    def _too_small(
+        self, exc: BudgetTooSmallError, smallest: int, activation_bytes: int
+    ) -> BudgetTooSmallError:
         detail = f" ({exc})" if str(exc) else ""
         return BudgetTooSmallError(
             f"{self.budget_name}={format_bytes(self.budget)} is too small for this model{detail}. "
@@ -151,7 +155,9 @@ class Engine:
             return
         fixed = self.fixed_bytes + max(e.activation_bytes for e in self.executors)
         wanted = choose_resident(executor.profile, budget, fixed)
-        streamable = {n for n, r in self.store.records.items() if r.host is None or self.device.type == "cuda"}
+        streamable = {
+            n for n, r in self.store.records.items() if r.host is None or self.device.type == "cuda"
+        }
         for name in streamable - wanted:
             self.store.evict(name)
         for name in wanted & streamable:

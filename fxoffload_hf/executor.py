@@ -18,9 +18,10 @@ from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from fxoffload_hf.capture import handle_of
-from fxoffload_hf.partition import Partition, partition_graph
+from fxoffload_hf.partition import Partition
 from fxoffload_hf.schedule import PieceProfile
 from fxoffload_hf.transfer import LoadedPiece
+from fxoffload_hf.weights import WeightRecord
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -122,8 +123,8 @@ class GraphExecutor:
     def _split(self, gm: fx.GraphModule) -> fx.GraphModule:
         piece_of = self.partition.piece_of()
         if len(self.partition.pieces) <= 1:
-            return split_module(gm, None, lambda n: 0)
-        return split_module(gm, None, lambda n: piece_of[n])
+            return split_module(gm, gm, lambda n: 0)
+        return split_module(gm, gm, lambda n: piece_of[n])
 
     def _build_steps(self, placeholders: list[fx.Node]) -> tuple[list[Step], list[list[fx.Node]]]:
         """Top-level nodes as steps; for each piece (in execution order) its weight placeholders."""
@@ -132,6 +133,7 @@ class GraphExecutor:
         self.arg_index = {n: i for i, n in enumerate(top_placeholders)}
         weight_top = {n for n in top_placeholders if original.get(n.name) in self.weight_args}
         self.weight_top = weight_top
+        self.top_to_original = {n: original[n.name] for n in weight_top}
         last_use: dict[fx.Node, fx.Node] = {}
         for node in self.split.graph.nodes:
             for dep in node._input_nodes:
@@ -162,8 +164,14 @@ class GraphExecutor:
     def __call__(self, *args: Any) -> Any:
         return self._call(args)
 
-    def _records(self, args: tuple[Any, ...], piece: int) -> list[Any]:
-        return [handle_of(args[self.weight_args[w]]).record for w in self.piece_weights[piece]]  # type: ignore[union-attr]
+    def _record(self, args: tuple[Any, ...], placeholder: fx.Node) -> WeightRecord:
+        """The stored weight whose ghost was passed for ``placeholder`` in this call."""
+        handle = handle_of(args[self.weight_args[placeholder]])
+        assert handle is not None, "a weight argument lost its ghost handle"
+        return handle.record
+
+    def _records(self, args: tuple[Any, ...], piece: int) -> list[WeightRecord]:
+        return [self._record(args, w) for w in self.piece_weights[piece]]
 
     def _run(self, args: tuple[Any, ...], profile: bool) -> Any:
         engine = self.engine
@@ -187,7 +195,11 @@ class GraphExecutor:
                 if step.piece + 1 < pieces:
                     pending = copy.submit(self._records(args, step.piece + 1), (step.piece + 1) % 2)
                 call_args = [
-                    (weights[handle_of(args[self.arg_index[a]]).record.name] if a in self.weight_top else env[a])  # type: ignore[union-attr]
+                    (
+                        weights[self._record(args, self.top_to_original[a]).name]
+                        if a in self.weight_top
+                        else env[a]
+                    )
                     if isinstance(a, fx.Node)
                     else a
                     for a in step.args

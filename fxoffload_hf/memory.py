@@ -64,7 +64,8 @@ def _cgroup_usage() -> int:
 def _cgroup_file(v1_name: str, v2_name: str) -> str | None:
     """Read a file of this process's own memory cgroup (v1 or v2), or None."""
     try:
-        lines = open("/proc/self/cgroup").read().splitlines()
+        with open("/proc/self/cgroup") as handle:
+            lines = handle.read().splitlines()
     except OSError:
         return None
     for line in lines:

@@ -60,7 +60,9 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, TensorSlice]:
         with open(path, "rb") as handle:
             prefix = handle.read(8)
             if len(prefix) < 8:
-                raise CheckpointError(f"{path}: too short to be a safetensors file; re-save or re-download it")
+                raise CheckpointError(
+                    f"{path}: too short to be a safetensors file; re-save or re-download it"
+                )
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > min(_MAX_HEADER, size - 8):
                 raise CheckpointError(
@@ -69,11 +71,15 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, TensorSlice]:
                 )
             raw = handle.read(header_len)
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found; check the path or restore the missing shard") from None
+        raise CheckpointError(
+            f"{path}: file not found; check the path or restore the missing shard"
+        ) from None
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({exc}); re-download or re-save it") from None
+        raise CheckpointError(
+            f"{path}: corrupt safetensors header ({exc}); re-download or re-save it"
+        ) from None
     base = 8 + header_len
     slices: dict[str, TensorSlice] = {}
     for key, info in header.items():
@@ -84,7 +90,9 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, TensorSlice]:
             begin, end = (int(v) for v in info["data_offsets"])
             shape = tuple(int(d) for d in info["shape"])
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt entry for tensor {key!r} in the safetensors header") from None
+            raise CheckpointError(
+                f"{path}: corrupt entry for tensor {key!r} in the safetensors header"
+            ) from None
         expected = _numel(shape) * _itemsize(dtype)
         if end - begin != expected or base + end > size:
             raise CheckpointError(
@@ -122,7 +130,7 @@ def _read_run(slices: list[TensorSlice], buffers: list[torch.Tensor], drop_cache
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found; restore the missing shard") from None
     try:
-        views = [memoryview(b.numpy()) for b in buffers]
+        views = [memoryview(b.numpy()) for b in buffers]  # type: ignore[arg-type]
         done = 0
         while done < total:
             # preadv may return short; resume from where it stopped

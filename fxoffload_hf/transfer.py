@@ -120,12 +120,16 @@ class CopyEngine:
             tensors, event = self._to_device(tensors)
         return LoadedPiece(tensors, start, time.perf_counter() - start, streamed, event)
 
-    def _to_device(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
+    def _to_device(
+        self, tensors: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
         assert self.stream is not None
         out: dict[str, torch.Tensor] = {}
         with torch.cuda.stream(self.stream):
             for name, tensor in tensors.items():
-                out[name] = tensor if tensor.device == self.device else tensor.to(self.device, non_blocking=True)
+                out[name] = (
+                    tensor if tensor.device == self.device else tensor.to(self.device, non_blocking=True)
+                )
             event = torch.cuda.Event()
             event.record(self.stream)
         # staged host bytes may be overwritten by the next read only after these copies finish

@@ -109,8 +109,9 @@ class WeightStore:
             Path(tmp).unlink(missing_ok=True)
             if isinstance(exc, OSError):
                 raise OSError(
-                    exc.errno, f"cannot write offloaded weights to {folder}: {exc.strerror}; free space there or "
-                    "choose another offload_folder"
+                    exc.errno,
+                    f"cannot write offloaded weights to {folder}: {exc.strerror}; free space there or "
+                    "choose another offload_folder",
                 ) from exc
             raise
         slices = read_header(final)

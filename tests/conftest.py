@@ -39,7 +39,11 @@ def build_model(kind: str, **overrides) -> nn.Module:
         return tf.LlamaForCausalLM(cfg).eval()
     if kind == "gpt2":
         cfg = tf.GPT2Config(
-            vocab_size=1000, n_layer=common["num_hidden_layers"], n_head=4, n_embd=common["hidden_size"], n_positions=256
+            vocab_size=1000,
+            n_layer=common["num_hidden_layers"],
+            n_head=4,
+            n_embd=common["hidden_size"],
+            n_positions=256,
         )
         return tf.GPT2LMHeadModel(cfg).eval()
     if kind == "bert":

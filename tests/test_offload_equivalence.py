@@ -56,11 +56,15 @@ def test_greedy_generate_gives_eager_tokens(kind, tier, tmp_path):
     ids = example_input(kind)[:1]
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        expected = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        expected = model.generate(
+            ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0
+        )
     fxoffload_hf.offload(model, offload_folder=tmp_path, **_tier_budget(kind, tier, weight_bytes(model)))
     try:
         with torch.no_grad():
-            tokens = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+            tokens = model.generate(
+                ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0
+            )
         assert torch.equal(tokens, expected)
     finally:
         fxoffload_hf.restore(model)
@@ -70,7 +74,9 @@ def test_restore_puts_back_parameters_and_forward(tmp_path):
     model = build_model("llama")
     before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
     had_forward = "forward" in model.__dict__
-    fxoffload_hf.offload(model, cpu_memory=int(weight_bytes(model) * 0.6), offload_folder=tmp_path, device="cpu")
+    fxoffload_hf.offload(
+        model, cpu_memory=int(weight_bytes(model) * 0.6), offload_folder=tmp_path, device="cpu"
+    )
     with torch.no_grad():
         model(example_input("llama"))
     fxoffload_hf.restore(model)

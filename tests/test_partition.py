@@ -133,4 +133,3 @@ def test_work_grows_linearly_with_graph_size():
     per_node = [work[n] / n for n in sorted(work)]
     # linear: the work per layer stays flat (a quadratic partitioner would grow it 16x)
     assert max(per_node) < 1.2 * min(per_node)
-
