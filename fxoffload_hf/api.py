@@ -38,7 +38,7 @@ class _OffloadState:
     engine: Engine
     params: list[tuple[nn.Module, str, nn.Parameter, str]]  # owner, attribute, original, record name
     moved_buffers: list[tuple[nn.Module, str, torch.Tensor]]
-    moved_params: list[tuple[nn.Module, str, torch.Tensor]]
+    moved_params: list[tuple[nn.Module, str, nn.Parameter]]
     entries: list[tuple[nn.Module, str, bool, Any]]  # module, method name, had own attribute, old value
     hooks: list[Any] = field(default_factory=list)
     temp_folder: Path | None = None
@@ -99,16 +99,20 @@ def offload(
             )
         (large if tensor_nbytes(param) >= config.resident_threshold else small).append((param, uses, name))
 
-    moved_params: list[tuple[nn.Module, str, torch.Tensor]] = []
+    moved_params: list[tuple[nn.Module, str, nn.Parameter]] = []
     fixed = 0
     for param, uses, name in small:
         value = param.data
         if param.device.type == "meta":
             value = store.read(store.add_disk(name, checkpoint[name], param.dtype))
             del store.records[name]
-        if value.device != config.device or param.device.type == "meta":
-            moved_params.append((uses[0][0], uses[0][1], param.data))
-            param.data = value.to(config.device)
+        if value.device != config.device:
+            value = value.to(config.device)
+        if value is not param.data:
+            replacement = nn.Parameter(value, requires_grad=param.requires_grad)
+            for module, attr, _full in uses:
+                moved_params.append((module, attr, param))
+                module._parameters[attr] = replacement
         fixed += tensor_nbytes(param)
     moved_buffers = []
     for module in model.modules():
@@ -194,10 +198,8 @@ def _undo(model: nn.Module, state: _OffloadState) -> None:
         if record is not None and original.numel() == 0 and record.nbytes > 0:
             original.data = store.read(record).clone() if record.host is None else record.host
         module._parameters[attr] = original
-    for module, attr, data in state.moved_params:
-        param = module._parameters[attr]
-        assert param is not None
-        param.data = data
+    for module, attr, original_param in state.moved_params:
+        module._parameters[attr] = original_param
     for module, bname, buf in state.moved_buffers:
         module._buffers[bname] = buf
     state.engine.close()
@@ -247,6 +249,9 @@ def _wrap_entry(model: nn.Module, entry: str, state: _OffloadState) -> None:
 
     @functools.wraps(original)
     def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # traced as part of another entry point (an encoder inside the full forward): inline it
+            return original(*args, **kwargs)
         with engine.lock, inside_engine():
             return compiled(*args, **kwargs)
 
