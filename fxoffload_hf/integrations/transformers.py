@@ -60,12 +60,16 @@ def from_pretrained(
         ValueError: a bad ``offload`` value, budget or device.
     """
     if offload not in (None, "fx"):
-        raise ValueError(f"offload={offload!r} is not supported; use offload='fx', or leave it out for plain loading")
+        raise ValueError(
+            f"offload={offload!r} is not supported; use offload='fx', or leave it out for plain loading"
+        )
     if offload is None:
         cls = auto_class or transformers.AutoModelForCausalLM
         return cls.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **hf_kwargs)
     if "device_map" in hf_kwargs:
-        raise ValueError("device_map cannot be combined with offload='fx': fxoffload_hf places every weight itself")
+        raise ValueError(
+            "device_map cannot be combined with offload='fx': fxoffload_hf places every weight itself"
+        )
     folder = resolve_checkpoint_folder(path)
     shards = validate_checkpoint(folder, allow_pickle=allow_pickle)
     target_dtype = _as_dtype(dtype)
@@ -150,7 +154,9 @@ def validate_checkpoint(folder: Path, *, allow_pickle: bool) -> dict[Path, dict[
     shards: dict[Path, dict[str, TensorSlice]] = {}
     for file in tqdm(files, desc="Checking shards", unit="shard", disable=len(files) < 2):
         if not file.exists():
-            raise CheckpointError(f"{file}: shard named by {index_file.name} is missing; restore it or re-download")
+            raise CheckpointError(
+                f"{file}: shard named by {index_file.name} is missing; restore it or re-download"
+            )
         shards[file.resolve()] = read_header(file)
     for key, name in expected.items():
         if key not in shards[(folder / name).resolve()]:
@@ -233,7 +239,9 @@ class _AutoShim:
     _hf_name = "AutoModel"
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike[str], *args: Any, offload: str | None = None, **kwargs: Any) -> Any:
+    def from_pretrained(
+        cls, path: str | os.PathLike[str], *args: Any, offload: str | None = None, **kwargs: Any
+    ) -> Any:
         hf_class = getattr(transformers, cls._hf_name)
         if offload is None:
             return hf_class.from_pretrained(path, *args, **kwargs)

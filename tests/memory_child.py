@@ -1,0 +1,60 @@
+"""Child process of test_memory_budget: load a checkpoint under a CPU budget and report peak memory."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+
+import torch
+
+import fxoffload_hf
+
+
+def status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            key, value = line.split(":", 1)
+            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def main() -> None:
+    path, warmup_path, share = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    torch.set_num_threads(2)
+    ids = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+    # imports and dynamo's own first-use costs are not the model's: pay them on a tiny model first
+    warm = fxoffload_hf.from_pretrained(warmup_path, cpu_memory="1GiB", device="cpu")
+    with torch.no_grad():
+        warm.generate(ids, max_new_tokens=3, do_sample=False)
+    fxoffload_hf.restore(warm)
+    del warm
+    gc.collect()
+    total = sum(
+        os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors")
+    )
+    budget = int(total * share)
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")  # reset the peak-RSS mark
+    base = status()
+    model = fxoffload_hf.from_pretrained(path, cpu_memory=budget, device="cpu")
+    with torch.no_grad():
+        tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
+    end = status()
+    engine = fxoffload_hf.engine_of(model)
+    report = {
+        "checkpoint_bytes": total,
+        "budget": budget,
+        "peak_rise": end["VmHWM"] - base["VmRSS"],
+        "anon_rise": end["RssAnon"] - base["RssAnon"],
+        "disk_bytes": engine.store.bytes_in(fxoffload_hf.weights.Tier.DISK),
+        "tokens": tokens.tolist(),
+    }
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""With cpu_memory at 25% of the checkpoint, the process's peak memory stays near the budget."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# Measured here: about 20 MiB per captured graph (dynamo's graphs, guards and fake tensors) with four
+# graphs for a generate call, plus activations; none of it is weights, and it does not grow with the model.
+SLACK = 160 * 2**20
+
+
+@pytest.mark.slow
+def test_peak_memory_stays_within_cpu_budget_plus_slack(tmp_path: Path):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    big, small = tmp_path / "big", tmp_path / "small"
+    config = tf.LlamaConfig(
+        vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=18,
+        num_attention_heads=8, num_key_value_heads=8,
+    )  # fmt: skip
+    model = tf.LlamaForCausalLM(config)
+    model.save_pretrained(big, max_shard_size="50MB")
+    with torch.no_grad():
+        ids = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+        expected = model.generate(ids, max_new_tokens=4, do_sample=False).tolist()
+    del model
+    tiny = tf.LlamaConfig(
+        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4,
+    )  # fmt: skip
+    tf.LlamaForCausalLM(tiny).save_pretrained(small)
+    child = Path(__file__).with_name("memory_child.py")
+    done = subprocess.run(
+        [sys.executable, str(child), str(big), str(small), "0.25"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["tokens"] == expected
+    assert report["disk_bytes"] > report["checkpoint_bytes"] // 2
+    assert report["peak_rise"] < report["budget"] + SLACK, report
+    assert report["peak_rise"] < report["checkpoint_bytes"], report
