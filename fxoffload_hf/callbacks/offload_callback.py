@@ -1,0 +1,236 @@
+"""``FxOffloadCallback``: run a LightningModule's predict, test or validate loop through fxoffload_hf.
+
+Lightning's order decides where each step goes. ``Trainer._run`` calls the callbacks' ``setup`` first,
+then ``strategy.setup``, which converts the module's dtype (``precision_plugin.convert_module``), moves it
+to the root device (``model_to_device``) and, under DDP outside fitting, broadcasts every parameter from
+rank 0. So ``setup`` converts the module itself before offloading (converting a ghost afterwards would
+materialize it in full), offloads on the root device (the move then finds the ghosts already there and
+copies nothing), and names the ghosts in ``_ddp_params_and_buffers_to_ignore`` (the broadcast would
+flatten them into full buffers and cannot write into them). At the end, ``strategy.teardown`` moves the
+module to the CPU *before* the callbacks' ``teardown``; a CUDA ghost moved there would become a full host
+tensor, so the module is restored as soon as its loop ends, and ``teardown``/``on_exception`` only catch
+what is left.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import lightning.pytorch as pl
+import psutil
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from torch import nn
+
+import fxoffload_hf
+from fxoffload_hf.capture import handle_of
+from fxoffload_hf.config import POLICIES, BudgetSpec, parse_budget
+
+_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
+_STAGES = ("predict", "test", "validate")
+_TARGET_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_MISSING = object()
+
+
+class FxOffloadCallback(Callback):
+    """Offload a LightningModule (or one of its submodules) for the inference loops of a ``Trainer``.
+
+    The module is offloaded in ``setup`` of a ``predict``, ``test`` or ``validate`` run and restored
+    (same parameter objects, values, ``forward`` and devices) when the loop ends. Statistics of the run
+    are kept in ``last_stats`` and, when ``log_stats`` is true and the trainer has a logger, logged under
+    ``fxoffload/<stage>/...``.
+
+    The module to offload must exist when the ``Trainer`` starts: callbacks' ``setup`` runs before
+    ``LightningModule.setup`` and ``configure_model``, so a model built there cannot be offloaded here.
+    Steps must reach the offloaded weights through the offloaded module's ``forward`` (``self(x)`` when
+    ``target`` is None, ``self.model(x)`` or ``self.model.generate(...)`` when ``target="model"``).
+
+    Args:
+        gpu_memory: bytes the engine may use on the compute device (see ``fxoffload_hf.offload``).
+        cpu_memory: bytes of host RAM for weights; weights beyond it go to ``offload_folder``.
+        offload_folder: where weights that must leave host RAM are written (default: a temporary folder).
+        target: attribute path of the submodule to offload (``"model"``, ``"backbone.encoder"``); None
+            offloads the LightningModule itself.
+        policy: ``"auto"`` or ``"sequential"`` (see ``fxoffload_hf.offload``).
+        log_stats: log bytes streamed, the share of copy time hidden and peak memory per device.
+
+    Raises:
+        ValueError: at construction, for a bad budget, policy, target or folder; in ``setup``, for the
+            ``fit`` stage, an unsupported strategy, a missing target or a budget the model cannot fit.
+    """
+
+    def __init__(
+        self,
+        gpu_memory: BudgetSpec = None,
+        cpu_memory: BudgetSpec = None,
+        offload_folder: str | os.PathLike[str] | None = None,
+        target: str | None = None,
+        policy: str = "auto",
+        log_stats: bool = True,
+    ) -> None:
+        # percentages are resolved against free memory at setup; here only their form is checked
+        parse_budget(gpu_memory, free_bytes=2**40, what="gpu_memory")
+        parse_budget(cpu_memory, free_bytes=2**40, what="cpu_memory")
+        if offload_folder is not None and not isinstance(offload_folder, str | os.PathLike):
+            raise ValueError(f"offload_folder: expected a path or None, got {type(offload_folder).__name__}")
+        if target is not None and (not isinstance(target, str) or not _TARGET_RE.match(target)):
+            raise ValueError(
+                f"target: expected an attribute path such as 'model' or 'backbone.encoder', or None for "
+                f"the whole LightningModule, got {target!r}"
+            )
+        if policy not in POLICIES:
+            raise ValueError(f"policy: {policy!r} is not one of {POLICIES}")
+        if not isinstance(log_stats, bool):
+            raise ValueError(f"log_stats: expected True or False, got {log_stats!r}")
+        self.gpu_memory = gpu_memory
+        self.cpu_memory = cpu_memory
+        self.offload_folder = offload_folder
+        self.target = target
+        self.policy = policy
+        self.log_stats = log_stats
+        self.last_stats: dict[str, Any] = {}
+        self._module: nn.Module | None = None
+        self._device = torch.device("cpu")
+        self._previous_ignore: Any = _MISSING
+        self._peak_rss = 0
+
+    # -- install and release --------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        stage = str(getattr(stage, "value", stage))  # Lightning passes a ``TrainerFn``
+        if stage not in _STAGES:
+            raise ValueError(
+                f"FxOffloadCallback serves the inference loops {_STAGES}, not {stage!r}: offloaded weights "
+                "are read-only ghosts that cannot be trained; remove the callback for trainer.fit"
+            )
+        strategy = trainer.strategy
+        if not isinstance(strategy, SingleDeviceStrategy | DDPStrategy) or isinstance(
+            strategy, DeepSpeedStrategy
+        ):
+            raise ValueError(
+                f"FxOffloadCallback supports single-device and DDP strategies, not {type(strategy).__name__}"
+            )
+        module = self._resolve_target(pl_module)
+        converted = trainer.precision_plugin.convert_module(pl_module)
+        if converted is not pl_module:
+            raise ValueError(
+                f"precision plugin {type(trainer.precision_plugin).__name__} replaces the module it converts; "
+                "FxOffloadCallback needs one that converts in place"
+            )
+        self._device = strategy.root_device
+        fxoffload_hf.offload(
+            module,
+            gpu_memory=self.gpu_memory,
+            cpu_memory=self.cpu_memory,
+            offload_folder=self.offload_folder,
+            device=self._device,
+            policy=self.policy,
+        )
+        self._module = module
+        ghosts = [name for name, param in pl_module.named_parameters() if handle_of(param) is not None]
+        self._previous_ignore = getattr(pl_module, _IGNORE_ATTR, _MISSING)
+        previous = [] if self._previous_ignore is _MISSING else list(self._previous_ignore)
+        setattr(pl_module, _IGNORE_ATTR, previous + ghosts)
+        self._peak_rss = 0
+        if self._device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._device)
+        self._sample_memory()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._release(pl_module)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._release(pl_module)
+
+    def _resolve_target(self, pl_module: pl.LightningModule) -> nn.Module:
+        if self.target is None:
+            return pl_module
+        try:
+            return pl_module.get_submodule(self.target)
+        except AttributeError:
+            raise ValueError(
+                f"target={self.target!r}: {type(pl_module).__name__} has no submodule at that path when the "
+                "Trainer starts; pass the attribute that holds the model (built in __init__, not in "
+                "setup or configure_model), or None for the whole LightningModule"
+            ) from None
+
+    def _release(self, pl_module: pl.LightningModule) -> None:
+        if self._module is None:
+            return
+        module, self._module = self._module, None
+        if self._previous_ignore is _MISSING:
+            pl_module.__dict__.pop(_IGNORE_ATTR, None)
+        else:
+            setattr(pl_module, _IGNORE_ATTR, self._previous_ignore)
+        self._previous_ignore = _MISSING
+        fxoffload_hf.restore(module)
+
+    # -- statistics -----------------------------------------------------------------------------
+    def _sample_memory(self) -> None:
+        self._peak_rss = max(self._peak_rss, psutil.Process().memory_info().rss)
+
+    def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._module is None:
+            return
+        self._sample_memory()
+        stats: dict[str, Any] = {"stage": stage, "device": str(self._device)}
+        stats.update(fxoffload_hf.engine_of(self._module).stats.as_dict())
+        # RSS is sampled after every batch: a peak inside a batch can be missed
+        stats["peak_memory_bytes/cpu"] = self._peak_rss
+        if self._device.type == "cuda":
+            stats[f"peak_memory_bytes/{self._device}"] = torch.cuda.max_memory_allocated(self._device)
+        self.last_stats = stats
+        if self.log_stats and trainer.logger is not None:
+            metrics = {
+                f"fxoffload/{stage}/{key}": float(value)
+                for key, value in stats.items()
+                if isinstance(value, int | float)
+            }
+            trainer.logger.log_metrics(metrics, step=trainer.global_step)
+        self._release(pl_module)
+
+    def on_predict_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._sample_memory()
+
+    def on_test_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._sample_memory()
+
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._sample_memory()
+
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(trainer, pl_module, "predict")
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(trainer, pl_module, "test")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(trainer, pl_module, "validate")

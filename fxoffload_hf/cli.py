@@ -1,0 +1,293 @@
+"""``fxoffload-hf``: demo, plan, generate and bench from the command line.
+
+Exit codes: 0 success, 1 a run failed, 2 bad arguments or input (missing folder, corrupt checkpoint,
+budget too small).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class _PeakSampler:
+    """Samples this process's anonymous and file-backed resident memory for their peaks."""
+
+    def __init__(self, every: float = 0.02) -> None:
+        self.every = every
+        self.peak = {"RssAnon": 0, "RssFile": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    @staticmethod
+    def read() -> dict[str, int]:
+        out = {}
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                key, value = line.split(":", 1)
+                if key in ("RssAnon", "RssFile"):
+                    out[key] = int(value.split()[0]) * 1024
+        return out
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            for key, value in self.read().items():
+                self.peak[key] = max(self.peak[key], value)
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> _PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_generation(
+    mode: str, folder: str, budget: int | None, new_tokens: int, prompt_len: int = 32
+) -> dict[str, Any]:
+    """Load ``folder`` eagerly or offloaded, then time prefill and greedy decoding; figures as a dict."""
+    import torch
+    import transformers
+
+    import fxoffload_hf
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1000, (1, prompt_len))
+    # dynamo's one-time import and set-up cost is not the model's: pay it before the baseline
+    torch.compile(lambda x: x + 1, backend="eager")(ids)
+    base = _PeakSampler.read()
+    start = time.perf_counter()
+    if mode == "eager":
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    else:
+        model = fxoffload_hf.from_pretrained(folder, cpu_memory=budget, device="cpu")
+    load_seconds = time.perf_counter() - start
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=3, do_sample=False)  # warm-up: capture and profile
+        with _PeakSampler() as sampler:
+            start = time.perf_counter()
+            model(ids)
+            prefill = time.perf_counter() - start
+            start = time.perf_counter()
+            tokens = model.generate(
+                ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+            )
+            decode = time.perf_counter() - start
+    result = {
+        "mode": mode,
+        "load_seconds": round(load_seconds, 3),
+        "prefill_seconds": round(prefill, 4),
+        "decode_tokens_per_second": round(new_tokens / decode, 3),
+        "peak_private_bytes": sampler.peak["RssAnon"] - base["RssAnon"],
+        "peak_file_backed_bytes": sampler.peak["RssFile"] - base["RssFile"],
+        "tokens": tokens[0].tolist(),
+    }
+    if mode != "eager":
+        engine = fxoffload_hf.engine_of(model)
+        result["stats"] = engine.stats.as_dict()
+        result["store"] = engine.store.summary()
+        result["pieces"] = [len(e.piece_bytes) for e in engine.executors]
+        result["arena_bytes"] = engine.copy.arena.capacity
+    return result
+
+
+def _child(mode: str, folder: Path, budget: int | None, new_tokens: int) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "fxoffload_hf.cli",
+        "_run",
+        mode,
+        str(folder),
+        str(budget or 0),
+        str(new_tokens),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {mode} run failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _budget_for(spec: str | None, model_bytes: int) -> int | None:
+    """Budgets in the demo: a percentage is a share of the model's size (``25%``), else as ``offload``."""
+    from fxoffload_hf.config import parse_budget
+
+    if spec is None:
+        return None
+    if spec.strip().endswith("%"):
+        return parse_budget(spec, free_bytes=model_bytes, what="--cpu-memory")
+    return parse_budget(spec, what="--cpu-memory")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from fxoffload_hf.demo import checkpoint_bytes, ensure_checkpoint
+    from fxoffload_hf.memory import format_bytes
+    from fxoffload_hf.plan import plan_checkpoint
+
+    folder = ensure_checkpoint(args.arch, args.size)
+    total = checkpoint_bytes(folder)
+    budget = _budget_for(args.cpu_memory, total)
+    print(f"Checkpoint: {folder} ({format_bytes(total)}, RANDOM weights: the tokens mean nothing)")
+    print(f"CPU budget: {format_bytes(budget)} ({args.cpu_memory} of the model)\n")
+    plan = plan_checkpoint(folder, cpu_memory=budget, gpu_memory=args.gpu_memory, seq_len=32)
+    print("Plan (from shapes alone, before anything runs):")
+    print(plan.table() + "\n")
+    runs = {}
+    for mode in ("eager", "fxoffload"):
+        print(f"Running {mode} ...", flush=True)
+        runs[mode] = _child(mode, folder, budget, args.max_new_tokens)
+    eager, fx = runs["eager"], runs["fxoffload"]
+    print()
+    print(f"{'':24}{'eager (all in RAM)':>22}{'fxoffload':>22}")
+    rows = [
+        ("decode tokens/s", "decode_tokens_per_second", lambda v: f"{v:.2f}"),
+        ("prefill seconds", "prefill_seconds", lambda v: f"{v:.3f}"),
+        ("peak private memory", "peak_private_bytes", format_bytes),
+        ("peak file-backed memory", "peak_file_backed_bytes", format_bytes),
+    ]
+    for label, key, fmt in rows:
+        print(f"{label:24}{fmt(eager[key]):>22}{fmt(fx[key]):>22}")
+    print(f"{'same tokens as eager':24}{'':>22}{str(eager['tokens'] == fx['tokens']):>22}")
+    print(
+        f"\nfxoffload: {fx['store']}; pieces per graph {fx['pieces']}; copy hidden behind compute "
+        f"{fx['stats']['hidden_copy_share']:.0%}; streamed {format_bytes(fx['stats']['bytes_streamed'])}"
+    )
+    print(
+        "Eager's weights are file-backed pages of the mapped checkpoint: under a real memory limit they are "
+        "evicted and re-read (see benchmarks/bench_cpu_offload.py)."
+    )
+    return EXIT_OK if eager["tokens"] == fx["tokens"] else EXIT_FAILED
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from fxoffload_hf.plan import plan_checkpoint
+
+    report = plan_checkpoint(
+        args.model_dir,
+        gpu_memory=args.gpu_memory,
+        cpu_memory=args.cpu_memory,
+        batch=args.batch,
+        seq_len=args.seq_len,
+    )
+    print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
+    return EXIT_BAD_INPUT if report.error else EXIT_OK
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+    import transformers
+
+    import fxoffload_hf
+
+    folder = Path(args.model_dir)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    except Exception:  # noqa: BLE001 - any failure means there is no usable tokenizer there
+        print(
+            f"error: {folder} has no tokenizer (tokenizer.json / tokenizer_config.json); save one with "
+            "tokenizer.save_pretrained(MODEL_DIR)",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    model = fxoffload_hf.from_pretrained(folder, gpu_memory=args.gpu_memory, cpu_memory=args.cpu_memory)
+    inputs = tokenizer(args.prompt, return_tensors="pt")
+    streamer = transformers.TextStreamer(tokenizer, skip_prompt=False)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer)
+    seconds = time.perf_counter() - start
+    new = out.shape[-1] - inputs["input_ids"].shape[-1]
+    if not args.quiet:
+        print(f"\n[{new} tokens in {seconds:.2f} s, {new / seconds:.2f} tokens/s]", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_cpu_offload.py"
+    if not script.exists():
+        print(
+            "error: benchmarks/bench_cpu_offload.py ships with the source tree; run from a checkout",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    return subprocess.call([sys.executable, str(script), "--model-dir", args.model_dir, *args.rest])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fxoffload-hf", description=__doc__)
+    parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--quiet", action="store_true", help="print only results")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser(
+        "demo", help="generate with a random ~1 GB Llama under a 25%% CPU budget, beside eager"
+    )
+    demo.add_argument("--size", type=float, default=1.0, help="checkpoint size in GB (default 1)")
+    demo.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral"])
+    demo.add_argument("--gpu-memory", default=None)
+    demo.add_argument(
+        "--cpu-memory", default="25%", help="bytes, a size, or a share of the model (default 25%%)"
+    )
+    demo.add_argument("--max-new-tokens", type=int, default=16)
+    demo.set_defaults(func=cmd_demo)
+
+    plan = sub.add_parser("plan", help="print the offload plan of a checkpoint without running it")
+    plan.add_argument("model_dir")
+    plan.add_argument("--gpu-memory", default=None)
+    plan.add_argument("--cpu-memory", default=None)
+    plan.add_argument("--batch", type=int, default=1)
+    plan.add_argument("--seq-len", type=int, default=128)
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(func=cmd_plan)
+
+    gen = sub.add_parser("generate", help="generate text from a local checkpoint, streaming tokens")
+    gen.add_argument("model_dir")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--gpu-memory", default=None)
+    gen.add_argument("--cpu-memory", default=None)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="eager vs fxoffload vs accelerate at the same CPU budget")
+    bench.add_argument("model_dir")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["_run"]:
+        mode, folder, budget, tokens = argv[1:5]
+        print(json.dumps(run_generation(mode, folder, int(budget) or None, int(tokens))))
+        return EXIT_OK
+    args = build_parser().parse_args(argv)
+    if args.quiet:
+        os.environ.setdefault("TQDM_DISABLE", "1")
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError) as exc:
+        if args.verbose:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:  # noqa: BLE001 - the command line reports, --verbose shows the traceback
+        if args.verbose:
+            raise
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""FxOffloadCallback: Lightning's inference loops give the same results with and without offload."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_model, weight_bytes
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from lightning.pytorch.loggers import Logger  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from fxoffload_hf.callbacks import FxOffloadCallback  # noqa: E402
+from fxoffload_hf.capture import handle_of  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "lightning_predict.py"
+
+
+class LlamaModule(pl.LightningModule):
+    """A tiny HF Llama in ``self.model``; every inference step records its logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = build_model("llama")
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+    def _step(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        logits = self(batch[0])
+        self.seen.append(logits.detach().clone())
+        return logits
+
+    def predict_step(self, batch, batch_idx):
+        return self._step(batch)
+
+    def test_step(self, batch, batch_idx):
+        self._step(batch)
+
+    def validation_step(self, batch, batch_idx):
+        self._step(batch)
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).float().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class RecordingLogger(Logger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.metrics.append(dict(metrics))
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+class GhostProbe(pl.Callback):
+    """After Lightning's own setup (dtype conversion, move to device), look at the ghosts."""
+
+    def __init__(self) -> None:
+        self.ghosts: list[torch.nn.Parameter] = []
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        self.ghosts = [p for p in pl_module.parameters() if handle_of(p) is not None]
+        self.storage_bytes = [p.untyped_storage().nbytes() for p in self.ghosts]
+        self.device = trainer.strategy.root_device
+
+
+def _data() -> DataLoader:
+    ids = torch.randint(0, 1000, (6, 12), generator=torch.Generator().manual_seed(1))
+    return DataLoader(TensorDataset(ids), batch_size=2)
+
+
+def _trainer(callbacks=(), precision="32-true", logger=False) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision=precision,
+        callbacks=list(callbacks),
+        logger=logger,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+
+
+def _run(stage: str, module: LlamaModule, trainer: pl.Trainer) -> list[torch.Tensor]:
+    if stage == "predict":
+        trainer.predict(module, _data())
+    elif stage == "test":
+        trainer.test(module, _data(), verbose=False)
+    else:
+        trainer.validate(module, _data(), verbose=False)
+    return module.seen
+
+
+def _half_budget(**kwargs) -> FxOffloadCallback:
+    return FxOffloadCallback(gpu_memory=int(weight_bytes(build_model("llama")) * 0.5), **kwargs)
+
+
+def _assert_restored(module: LlamaModule, before: dict[str, tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+    assert not hasattr(module.model, "_fxoffload_state") and not hasattr(module, "_fxoffload_state")
+    assert "forward" not in module.__dict__ and "forward" not in module.model.__dict__
+    assert not hasattr(module, "_ddp_params_and_buffers_to_ignore")
+    params = dict(module.named_parameters())
+    assert params.keys() == before.keys()
+    for name, (original, values) in before.items():
+        assert params[name] is original, name
+        assert params[name].device == values.device and torch.equal(params[name], values), name
+
+
+@pytest.mark.parametrize(
+    "stage, target", [("predict", "model"), ("test", "model"), ("validate", "model"), ("predict", None)]
+)
+def test_inference_loops_equal_plain_runs(stage, target):
+    expected = _run(stage, LlamaModule(), _trainer())
+    callback = _half_budget(target=target)
+    got = _run(stage, LlamaModule(), _trainer([callback]))
+    assert len(got) == len(expected) == 3
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+    stats = callback.last_stats
+    assert stats["stage"] == stage and stats["calls"] == 3
+    assert stats["pieces_run"] >= 4 * stats["calls"]
+
+
+def test_teardown_restores_module_and_logs_stats(tmp_path):
+    module = LlamaModule()
+    before = {n: (p, p.detach().clone()) for n, p in module.named_parameters()}
+    logger = RecordingLogger()
+    callback = FxOffloadCallback(
+        cpu_memory=int(weight_bytes(module) * 0.6),
+        offload_folder=tmp_path,
+        target="model",
+        policy="sequential",
+    )
+    _run("predict", module, _trainer([callback], logger=logger))
+    _assert_restored(module, before)
+    assert list(tmp_path.iterdir()) == []
+    stats = callback.last_stats
+    assert stats["bytes_streamed"] > 0 and 0.0 <= stats["hidden_copy_share"] <= 1.0
+    assert stats["peak_memory_bytes/cpu"] > 0 and stats["device"] == "cpu"
+    logged = {k: v for m in logger.metrics for k, v in m.items()}
+    assert logged["fxoffload/predict/bytes_streamed"] == stats["bytes_streamed"]
+    assert logged["fxoffload/predict/hidden_copy_share"] == stats["hidden_copy_share"]
+    assert logged["fxoffload/predict/peak_memory_bytes/cpu"] > 0
+
+
+def test_callback_serves_several_runs():
+    module, callback = LlamaModule(), _half_budget(target="model")
+    trainer = _trainer([callback])
+    first = list(_run("validate", module, trainer))
+    module.seen.clear()
+    assert torch.equal(torch.cat(_run("predict", module, trainer)), torch.cat(first))
+    assert callback.last_stats["stage"] == "predict"
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_lightning_setup_neither_copies_nor_converts_ghosts(precision):
+    probe = GhostProbe()
+    _run("predict", LlamaModule(), _trainer([_half_budget(target="model"), probe], precision=precision))
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    assert len(probe.ghosts) >= 4
+    for ghost, nbytes in zip(probe.ghosts, probe.storage_bytes, strict=True):
+        assert ghost.device == probe.device and ghost.dtype == dtype
+        assert nbytes <= ghost.element_size(), "a ghost was materialized"
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_precision_gives_the_same_predictions(precision):
+    # on the CPU Lightning runs "16-mixed" as bf16 autocast: "bf16-mixed" covers it
+    expected = _run("predict", LlamaModule(), _trainer(precision=precision))
+    got = _run("predict", LlamaModule(), _trainer([_half_budget(target="model")], precision=precision))
+    assert expected[0].dtype == torch.bfloat16
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fit_is_refused():
+    module = LlamaModule()
+    with pytest.raises(ValueError, match="inference loops.*not 'fit'"):
+        _trainer([_half_budget(target="model")]).fit(module, _data())
+    assert not hasattr(module.model, "_fxoffload_state")
+
+
+def test_missing_target_is_refused_at_setup():
+    with pytest.raises(ValueError, match="no submodule"):
+        _trainer([_half_budget(target="encoder")]).predict(LlamaModule(), _data())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"gpu_memory": "lots"}, "gpu_memory: cannot read"),
+        ({"cpu_memory": -5}, "cpu_memory: must be positive"),
+        ({"policy": "eager"}, "policy"),
+        ({"target": "model..layers"}, "target"),
+        ({"target": 3}, "target"),
+        ({"offload_folder": 3}, "offload_folder"),
+        ({"log_stats": "yes"}, "log_stats"),
+    ],
+)
+def test_constructor_validates_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FxOffloadCallback(**kwargs)
+
+
+def _run_example(args: list[str]) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _reference(ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return build_model("llama")(ids).logits[:, -1]
+
+
+def test_example_runs_on_a_tiny_model(tmp_path):
+    args = ["--cpu-memory", "2MB", "--policy", "sequential", "--offload-folder", str(tmp_path / "off")]
+    proc = _run_example([*args, "--save-dir", str(tmp_path)])
+    assert proc.stdout.count("next token") == 8
+    stats = json.loads((tmp_path / "stats-rank0.json").read_text())
+    assert stats["bytes_streamed"] > 0 and stats["calls"] == 4
+    saved = torch.load(tmp_path / "predictions-rank0.pt")
+    assert torch.equal(saved["logits"], _reference(saved["ids"]))
+
+
+def test_two_process_ddp_predict_equals_one_process_without_offload(tmp_path):
+    _run_example(["--devices", "2", "--strategy", "ddp", "--save-dir", str(tmp_path)])
+    parts = [torch.load(tmp_path / f"predictions-rank{r}.pt") for r in (0, 1)]
+    assert all(len(p["index"]) == 4 for p in parts)
+    index = torch.cat([p["index"] for p in parts])
+    ids = torch.cat([p["ids"] for p in parts])[index.argsort()]
+    logits = torch.cat([p["logits"] for p in parts])[index.argsort()]
+    assert index.sort().values.tolist() == list(range(8))
+    assert torch.equal(logits, _reference(ids))
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"stats-rank{rank}.json").read_text())["calls"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-true"])
+def test_cuda_predict_equals_plain_run_and_returns_weights_to_host(precision):
+    def trainer(callbacks=()):
+        return pl.Trainer(
+            accelerator="gpu",
+            devices=1,
+            precision=precision,
+            callbacks=list(callbacks),
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+
+    expected = _run("predict", LlamaModule(), trainer())
+    module = LlamaModule()
+    callback = _half_budget(target="model")
+    got = _run("predict", module, trainer([callback]))
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+    assert f"peak_memory_bytes/{callback.last_stats['device']}" in callback.last_stats
+    assert all(p.device.type == "cpu" for p in module.parameters())
