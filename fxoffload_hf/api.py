@@ -134,7 +134,7 @@ def offload(
                 store.add_host(name, param.data)
             for _module, _attr, alias in uses[1:]:
                 store.add_alias(name, alias)
-        _check_fits(state.engine, [r.nbytes for r in store.records.values()])
+        _check_fits(state.engine, [r.footprint for r in store.records.values()])
         host_names = [n for n, r in store.records.items() if r.host is not None]
         host_bytes = sum(store.records[n].nbytes for n in host_names)
         if config.cpu_memory is not None and host_bytes > config.cpu_memory - fixed:

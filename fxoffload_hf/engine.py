@@ -170,9 +170,9 @@ class Engine:
         for executor in self.executors:
             disk = [
                 sum(
-                    r.nbytes
+                    r.disk.nbytes
                     for r in (self.store.records[n] for n in names)
-                    if r.resident is None and r.host is None
+                    if r.resident is None and r.host is None and r.disk is not None
                 )
                 for names in executor.piece_names
             ]

@@ -106,7 +106,7 @@ class GraphExecutor:
             handle = handle_of(value)
             if handle is not None:
                 self.weight_args[node] = index
-                weight_bytes[node] = handle.record.nbytes
+                weight_bytes[node] = handle.record.footprint
                 names[node] = handle.record.name
         self.activation_bytes = activation_peak(gm.graph, set(weight_bytes))
         self.partition: Partition = engine.partition(gm.graph, weight_bytes, self.activation_bytes)

@@ -48,6 +48,14 @@ class WeightRecord:
         return numel * torch.empty((), dtype=self.dtype).element_size()
 
     @property
+    def footprint(self) -> int:
+        """Bytes in flight while this weight is brought in: the file's bytes, plus the converted copy if
+        the file's dtype is not the compute dtype."""
+        if self.disk is None or self.host is not None:
+            return self.nbytes
+        return self.disk.nbytes + (self.nbytes if self.disk.dtype != self.dtype else 0)
+
+    @property
     def tier(self) -> Tier:
         if self.resident is not None:
             return Tier.DEVICE

@@ -177,6 +177,20 @@ def test_callback_serves_several_runs():
     assert callback.last_stats["stage"] == "predict"
 
 
+def test_module_is_restored_when_a_step_fails():
+    class Failing(LlamaModule):
+        def predict_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                raise RuntimeError("step failed")
+            return self._step(batch)
+
+    module = Failing()
+    before = {n: (p, p.detach().clone()) for n, p in module.named_parameters()}
+    with pytest.raises(RuntimeError, match="step failed"):
+        _run("predict", module, _trainer([_half_budget(target="model")]))
+    _assert_restored(module, before)
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
 def test_lightning_setup_neither_copies_nor_converts_ghosts(precision):
     probe = GhostProbe()

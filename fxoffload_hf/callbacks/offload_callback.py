@@ -47,6 +47,8 @@ class FxOffloadCallback(Callback):
     ``LightningModule.setup`` and ``configure_model``, so a model built there cannot be offloaded here.
     Steps must reach the offloaded weights through the offloaded module's ``forward`` (``self(x)`` when
     ``target`` is None, ``self.model(x)`` or ``self.model.generate(...)`` when ``target="model"``).
+    Load weights before the run (``load_from_checkpoint``) rather than through ``ckpt_path=``: Lightning
+    loads that checkpoint after the callbacks' ``setup``, into the ghosts, which cannot take it.
 
     Args:
         gpu_memory: bytes the engine may use on the compute device (see ``fxoffload_hf.offload``).
@@ -184,13 +186,14 @@ class FxOffloadCallback(Callback):
         if self._device.type == "cuda":
             stats[f"peak_memory_bytes/{self._device}"] = torch.cuda.max_memory_allocated(self._device)
         self.last_stats = stats
-        if self.log_stats and trainer.logger is not None:
+        if self.log_stats:
             metrics = {
                 f"fxoffload/{stage}/{key}": float(value)
                 for key, value in stats.items()
                 if isinstance(value, int | float)
             }
-            trainer.logger.log_metrics(metrics, step=trainer.global_step)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
         self._release(pl_module)
 
     def on_predict_batch_end(

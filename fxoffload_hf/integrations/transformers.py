@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -81,12 +82,14 @@ def from_pretrained(
             folder,
             device_map={"": "disk"},
             offload_folder=str(work),
-            dtype=target_dtype if target_dtype is not None else "auto",
+            dtype="auto",  # the checkpoint's own dtype: a cast here would read every tensor up front
             trust_remote_code=trust_remote_code,
             use_safetensors=None if allow_pickle else True,
             **hf_kwargs,
         )
         checkpoint = _checkpoint_index(model, shards)
+        if target_dtype is not None:
+            _cast_on_meta(model, target_dtype)
         offload_model(
             model,
             gpu_memory=gpu_memory,
@@ -199,6 +202,27 @@ def _checkpoint_index(model: nn.Module, shards: dict[Path, dict[str, TensorSlice
     remove_hook_from_module(model, recurse=True)
     model.__dict__.pop("hf_device_map", None)
     return index
+
+
+def _cast_on_meta(model: nn.Module, dtype: torch.dtype) -> None:
+    """Give parameters the compute dtype Hugging Face would (its fp32 plan kept); weights convert as they
+    stream, so no converted copy of the model is ever made. Small resident tensors convert at offload."""
+    get_plan = getattr(model, "_get_dtype_plan", None)
+    plan: dict[str, torch.dtype] = get_plan(dtype) if callable(get_plan) else {}
+    keep = [re.compile(rf"(^|\.){re.escape(p)}(\.|$)") for p in plan]
+    cast: dict[nn.Parameter, nn.Parameter] = {}  # tied parameters stay one object
+    for name, module in model.named_modules(remove_duplicate=False):
+        for attr, param in list(module._parameters.items()):
+            if param is None or not param.is_floating_point():
+                continue
+            if param not in cast:
+                full = f"{name}.{attr}" if name else attr
+                wanted = torch.float32 if any(k.search(full) for k in keep) else dtype
+                cast[param] = (
+                    param if param.dtype == wanted else nn.Parameter(param.to(wanted), param.requires_grad)
+                )
+            module._parameters[attr] = cast[param]
+    model.config.dtype = dtype
 
 
 def _entry_points(model: nn.Module) -> tuple[str, ...]:
