@@ -19,8 +19,10 @@ from fxoffload_hf.capture import (
     GhostHandle,
     compile_entry,
     guard_hook,
+    guarded_apply,
     inside_engine,
     make_ghost,
+    refuse_state_dict_load,
 )
 from fxoffload_hf.config import BudgetSpec, OffloadConfig
 from fxoffload_hf.engine import Engine
@@ -154,6 +156,11 @@ def offload(
                 param.data = torch.empty(0, dtype=param.dtype)
         for module in {m for m, *_ in state.params}:
             state.hooks.append(module.register_forward_pre_hook(guard_hook))
+            state.entries.append(
+                (module, "_apply", "_apply" in module.__dict__, module.__dict__.get("_apply"))
+            )
+            module._apply = guarded_apply(module)  # type: ignore[method-assign]
+        state.hooks.append(model.register_load_state_dict_pre_hook(refuse_state_dict_load))
         for entry in entry_points:
             _wrap_entry(model, entry, state)
     except BaseException:
@@ -195,8 +202,10 @@ def _undo(model: nn.Module, state: _OffloadState) -> None:
         hook.remove()
     for module, attr, original, name in state.params:
         record = store.records.get(name)
-        if record is not None and original.numel() == 0 and record.nbytes > 0:
-            original.data = store.read(record).clone() if record.host is None else record.host
+        if record is not None and record.host is not None:
+            original.data = record.host  # the same tensor, unless model.to(dtype) converted it
+        elif record is not None and original.device.type != "meta":
+            original.data = store.read(record).clone()
         module._parameters[attr] = original
     for module, attr, original_param in state.moved_params:
         module._parameters[attr] = original_param

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from fxoffload_hf.engine import Engine
 
 HANDLE_ATTR = "_fxoffload_handle"
+_SUCCESSOR_ATTR = "_fxoffload_successor"
 _inside = threading.local()
 
 
@@ -42,6 +43,60 @@ def make_ghost(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: 
     """A parameter of ``shape`` that holds one NaN element broadcast to the full shape."""
     seed = torch.full((1,), float("nan"), dtype=dtype, device=device)
     return nn.Parameter(seed.expand(shape), requires_grad=False)
+
+
+def convert_ghosts(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Apply a ``.to()``-style ``fn`` to the ghosts of ``module`` without materializing them.
+
+    A dtype change re-types the stored weight (converted as it streams); a device change is refused,
+    since the engine's device is fixed when the model is offloaded.
+    """
+    for attr, ghost in list(module._parameters.items()):
+        handle = handle_of(ghost)
+        if ghost is None or handle is None:
+            continue
+        probe = fn(torch.zeros((), dtype=ghost.dtype, device=ghost.device))
+        if probe.device != ghost.device:
+            raise ValueError(
+                f"{type(module).__name__}.{attr} is offloaded by fxoffload_hf to compute on {ghost.device}; "
+                f"to use {probe.device}, call fxoffload_hf.restore(model) and offload it again with that device"
+            )
+        if probe.dtype == ghost.dtype:
+            continue
+        successor = getattr(ghost, _SUCCESSOR_ATTR, None)
+        if successor is None or successor.dtype != probe.dtype:
+            handle.engine.store.set_dtype(handle.record.name, probe.dtype)
+            successor = make_ghost(ghost.shape, probe.dtype, ghost.device)
+            setattr(successor, HANDLE_ATTR, handle)
+            setattr(ghost, _SUCCESSOR_ATTR, successor)  # tied uses elsewhere pick up the same ghost
+        module._parameters[attr] = successor
+
+
+def guarded_apply(module: nn.Module) -> Callable[..., nn.Module]:
+    """An ``_apply`` for a module holding ghosts: its other tensors as usual, its ghosts as above."""
+    original = module._apply
+
+    def _apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        ghosts = {k: p for k, p in module._parameters.items() if handle_of(p) is not None}
+        for key in ghosts:
+            module._parameters[key] = None  # _apply skips None parameters
+        try:
+            original(fn, recurse)
+        finally:
+            for key, ghost in ghosts.items():
+                module._parameters[key] = ghost
+        convert_ghosts(module, fn)
+        return module
+
+    return _apply
+
+
+def refuse_state_dict_load(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+    """``load_state_dict`` pre-hook: weights of an offloaded model come from its store, not from here."""
+    raise RuntimeError(
+        "load_state_dict into a model offloaded by fxoffload_hf is not supported: load the weights first and "
+        "offload afterwards, or call fxoffload_hf.restore(model) before loading"
+    )
 
 
 def handle_of(value: Any) -> GhostHandle | None:

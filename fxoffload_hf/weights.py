@@ -131,6 +131,21 @@ class WeightStore:
         self._spilled_files.append(final)
         return final
 
+    def set_dtype(self, name: str, dtype: torch.dtype) -> None:
+        """Compute with ``dtype`` from now on (``model.to(dtype)`` on an offloaded model). Host copies convert
+        now, as eager would; disk weights convert as they stream."""
+        record = self.records[name]
+        if record.dtype == dtype:
+            return
+        shared = record.resident is not None and record.resident is record.host
+        if record.host is not None:
+            record.host = record.host.to(dtype)
+        if shared:
+            record.resident = record.host
+        elif record.resident is not None:
+            record.resident = record.resident.to(dtype)
+        record.dtype = dtype
+
     def make_resident(self, name: str) -> None:
         """Keep ``name`` on the compute device from now on."""
         record = self.records[name]

@@ -159,3 +159,31 @@ def test_wrong_device_is_refused():
         pytest.skip("CUDA present")
     with pytest.raises(ValueError, match="CUDA is not available"):
         fxoffload_hf.offload(model, device="cuda")
+
+
+def test_model_to_dtype_after_offload_converts_the_stored_weights(tmp_path):
+    eager = build_model("llama")
+    model = build_model("llama")
+    x = example_input("llama")
+    fxoffload_hf.offload(model, gpu_memory=int(weight_bytes(model) * 0.5), device="cpu")
+    try:
+        model.to(torch.bfloat16)
+        ghost = model.lm_head.weight
+        assert ghost.dtype == torch.bfloat16 and ghost.untyped_storage().nbytes() == 2  # still a ghost
+        with torch.no_grad():
+            assert torch.equal(model(x).logits, eager.to(torch.bfloat16)(x).logits)
+    finally:
+        fxoffload_hf.restore(model)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_moving_an_offloaded_model_to_another_device_is_refused():
+    model = build_model("mlp")
+    fxoffload_hf.offload(model, gpu_memory=700_000, device="cpu")
+    try:
+        with pytest.raises(ValueError, match="restore"):
+            model.to("meta")
+        with pytest.raises(RuntimeError, match="load_state_dict"):
+            model.load_state_dict(build_model("mlp").state_dict())
+    finally:
+        fxoffload_hf.restore(model)
