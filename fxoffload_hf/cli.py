@@ -200,13 +200,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT
-    model = fxoffload_hf.from_pretrained(folder, gpu_memory=args.gpu_memory, cpu_memory=args.cpu_memory)
+    from fxoffload_hf.timeline import plot_timeline, record_timeline, write_chrome_trace
+
+    model = fxoffload_hf.from_pretrained(
+        folder, gpu_memory=args.gpu_memory, cpu_memory=args.cpu_memory, device=args.device
+    )
     inputs = tokenizer(args.prompt, return_tensors="pt")
     streamer = transformers.TextStreamer(tokenizer, skip_prompt=False)
     start = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), record_timeline(model) as events:
         out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer)
     seconds = time.perf_counter() - start
+    if args.timeline:
+        print(f"timeline: {plot_timeline(events, args.timeline)}", file=sys.stderr)
+    if args.trace:
+        print(
+            f"trace: {write_chrome_trace(events, args.trace)} (open in https://ui.perfetto.dev)",
+            file=sys.stderr,
+        )
     new = out.shape[-1] - inputs["input_ids"].shape[-1]
     if not args.quiet:
         print(f"\n[{new} tokens in {seconds:.2f} s, {new / seconds:.2f} tokens/s]", file=sys.stderr)
@@ -257,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--gpu-memory", default=None)
     gen.add_argument("--cpu-memory", default=None)
+    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    gen.add_argument("--timeline", default=None, help="write a PNG of copy and compute per piece over time")
+    gen.add_argument("--trace", default=None, help="write the same as a Chrome trace (JSON) for Perfetto")
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="eager vs fxoffload vs accelerate at the same CPU budget")
@@ -273,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_generation(mode, folder, int(budget) or None, int(tokens))))
         return EXIT_OK
     args = build_parser().parse_args(argv)
-    if args.quiet:
-        os.environ.setdefault("TQDM_DISABLE", "1")
+    if args.quiet or not sys.stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")  # progress bars only for a person at a terminal
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         return int(args.func(args))
     except (ValueError, FileNotFoundError) as exc:

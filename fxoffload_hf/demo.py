@@ -19,7 +19,7 @@ def demo_config(arch: str, size_gb: float):
     """A config of ``arch`` whose fp32 weights take about ``size_gb`` GB; no single weight over ~70 MB."""
     import transformers as tf
 
-    hidden, intermediate, vocab = 1536, 4096, 8192
+    hidden, intermediate, vocab = (1536, 4096, 8192) if size_gb >= 0.5 else (256, 704, 2048)
     per_layer = 4 * (4 * hidden * hidden + 3 * hidden * intermediate)
     embeddings = 2 * 4 * vocab * hidden
     layers = max(1, round((size_gb * 1e9 - embeddings) / per_layer))
@@ -28,8 +28,8 @@ def demo_config(arch: str, size_gb: float):
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
-        num_attention_heads=12,
-        num_key_value_heads=12,
+        num_attention_heads=hidden // 128,
+        num_key_value_heads=hidden // 128,
         max_position_embeddings=2048,
         tie_word_embeddings=False,
     )

@@ -13,7 +13,7 @@ from typing import Any
 from torch import fx
 
 from fxoffload_hf.config import OffloadConfig
-from fxoffload_hf.executor import GraphExecutor
+from fxoffload_hf.executor import GraphExecutor, TraceEvent
 from fxoffload_hf.memory import format_bytes
 from fxoffload_hf.partition import BudgetTooSmallError, Partition, partition_graph
 from fxoffload_hf.schedule import choose_resident
@@ -76,7 +76,7 @@ class Engine:
         self.lock = threading.RLock()
         self.stats = Stats()
         self.executors: list[GraphExecutor] = []
-        self.tracing = False
+        self.trace: list[TraceEvent] | None = None  # a list while a timeline is being recorded
 
     # -- budget ---------------------------------------------------------------------------------
     @property

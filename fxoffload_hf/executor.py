@@ -93,6 +93,16 @@ def _hint(dim: Any) -> int:
     return int(hint) if hint is not None else 1
 
 
+@dataclass
+class TraceEvent:
+    """One piece run, for timelines: which graph and call, bytes streamed, and its timing."""
+
+    graph: int
+    call: int
+    streamed_bytes: int
+    timing: PieceTiming
+
+
 class GraphExecutor:
     """Runs one captured graph within the engine's budget."""
 
@@ -117,6 +127,7 @@ class GraphExecutor:
         self.weight_sizes = {names[w]: weight_bytes[w] for w in weight_bytes}
         self.timings: list[PieceTiming] = []
         self._call: Callable[[tuple[Any, ...]], Any] = self._profiled_call
+        self.index = len(engine.executors)
         engine.register(self)
 
     # -- building -------------------------------------------------------------------------------
@@ -220,9 +231,12 @@ class GraphExecutor:
                 env[step.node] = result
                 del weights
                 engine.stats.add_piece(loaded.streamed_bytes, loaded.seconds)
-                if profile or engine.tracing:
-                    self.timings.append(
-                        PieceTiming(step.piece, loaded.started, loaded.started + loaded.seconds, start, end)
+                timing = PieceTiming(step.piece, loaded.started, loaded.started + loaded.seconds, start, end)
+                if profile:
+                    self.timings.append(timing)
+                if engine.trace is not None:
+                    engine.trace.append(
+                        TraceEvent(self.index, engine.stats.calls, loaded.streamed_bytes, timing)
                     )
             for value in step.frees:
                 env.pop(value, None)

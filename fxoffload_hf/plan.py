@@ -89,7 +89,9 @@ def plan_checkpoint(
     """Plan the model of a checkpoint folder (only its config.json is read)."""
     import transformers as tf
 
-    config = tf.AutoConfig.from_pretrained(folder)
+    from fxoffload_hf.integrations.transformers import resolve_checkpoint_folder
+
+    config = tf.AutoConfig.from_pretrained(resolve_checkpoint_folder(folder))
     return plan_config(
         config, gpu_memory=gpu_memory, cpu_memory=cpu_memory, device=device, batch=batch, seq_len=seq_len
     )
