@@ -54,6 +54,7 @@ def offload(
     offload_folder: str | os.PathLike[str] | None = None,
     device: str | torch.device | None = None,
     policy: str = "auto",
+    compile: str | None = None,
     checkpoint: Mapping[str, TensorSlice] | None = None,
     entry_points: tuple[str, ...] = ("forward",),
 ) -> nn.Module:
@@ -69,6 +70,8 @@ def offload(
         device: compute device; ``None`` means CUDA when available, else CPU.
         policy: ``"auto"`` (profile, then keep the weights whose copy cannot be hidden resident) or
             ``"sequential"`` (stream every piece, keep nothing resident).
+        compile: compile each piece: ``"inductor"`` (CPU or GPU) or ``"tensorrt"`` (NVIDIA, with the
+            ``tensorrt`` extra installed; without it a warning and the eager pieces).
         checkpoint: parameter name → where its bytes lie in a safetensors file, for parameters on the
             meta device (used by ``from_pretrained``).
         entry_points: methods of ``model`` to run through the engine.
@@ -85,6 +88,7 @@ def offload(
         offload_folder=offload_folder,
         device=device,
         policy=policy,
+        compile=compile,
     )
     checkpoint = checkpoint or {}
     store = WeightStore(config.device)

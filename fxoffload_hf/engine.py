@@ -17,7 +17,7 @@ from fxoffload_hf.executor import GraphExecutor, TraceEvent
 from fxoffload_hf.memory import format_bytes
 from fxoffload_hf.partition import BudgetTooSmallError, Partition, partition_graph
 from fxoffload_hf.schedule import choose_resident
-from fxoffload_hf.transfer import CopyEngine, arena_bytes
+from fxoffload_hf.transfer import CopyEngine, arena_bytes, piece_arena_bytes
 from fxoffload_hf.weights import WeightStore
 
 # share of the free budget that streaming may take under the "auto" policy; the rest can stay resident
@@ -94,7 +94,7 @@ class Engine:
         return "gpu_memory"
 
     def smallest_budget(self, largest_atom: int, activation_bytes: int) -> int:
-        return self.fixed_bytes + activation_bytes + arena_bytes([largest_atom, largest_atom])
+        return self.fixed_bytes + activation_bytes + 2 * piece_arena_bytes([largest_atom])
 
     def partition(
         self, graph: fx.Graph, weight_bytes: dict[fx.Node, int], activation_bytes: int
@@ -118,7 +118,11 @@ class Engine:
             if smallest > budget:
                 raise self._too_small(exc, smallest, activation_bytes) from None
             result = partition_graph(graph, weight_bytes, exc.smallest_budget)
-        need = self.fixed_bytes + activation_bytes + arena_bytes([p.weight_bytes for p in result.pieces])
+        need = (
+            self.fixed_bytes
+            + activation_bytes
+            + arena_bytes([piece_arena_bytes([weight_bytes[w] for w in p.weights]) for p in result.pieces])
+        )
         if need > budget:
             smallest = self.smallest_budget(result.largest_atom_bytes, activation_bytes)
             if smallest > budget:
@@ -169,10 +173,12 @@ class Engine:
         need = 0
         for executor in self.executors:
             disk = [
-                sum(
-                    r.disk.nbytes
-                    for r in (self.store.records[n] for n in names)
-                    if r.resident is None and r.host is None and r.disk is not None
+                piece_arena_bytes(
+                    [
+                        r.disk.nbytes
+                        for r in (self.store.records[n] for n in names)
+                        if r.resident is None and r.host is None and r.disk is not None
+                    ]
                 )
                 for names in executor.piece_names
             ]

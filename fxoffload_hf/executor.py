@@ -18,6 +18,7 @@ from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from fxoffload_hf.capture import handle_of
+from fxoffload_hf.integrations.piece_compilers import compile_piece
 from fxoffload_hf.partition import Partition
 from fxoffload_hf.schedule import PieceProfile
 from fxoffload_hf.transfer import LoadedPiece
@@ -162,7 +163,7 @@ class GraphExecutor:
             if node.op == "call_module":
                 piece = len(piece_weights)
                 piece_weights.append([original[a.name] for a in node.args if a in weight_top])
-                fn = getattr(self.split, node.target)
+                fn = compile_piece(getattr(self.split, node.target), self.engine.config.compile)
             elif node.op == "call_function":
                 fn = node.target
             else:

@@ -17,7 +17,7 @@ from fxoffload_hf.engine import Engine
 from fxoffload_hf.executor import activation_peak
 from fxoffload_hf.memory import format_bytes
 from fxoffload_hf.partition import BudgetTooSmallError
-from fxoffload_hf.transfer import arena_bytes
+from fxoffload_hf.transfer import arena_bytes, piece_arena_bytes
 from fxoffload_hf.weights import WeightStore
 
 
@@ -150,7 +150,9 @@ def plan_config(
             report.smallest_budget = exc.smallest_budget
             return report
         report.pieces = [p.weight_bytes for p in partition.pieces]
-        report.arena_bytes = arena_bytes(report.pieces)
+        report.arena_bytes = arena_bytes(
+            [piece_arena_bytes([weights[w] for w in p.weights]) for p in partition.pieces]
+        )
         if engine.budget is not None:
             report.resident_bytes_max = max(engine.budget - small - activations - report.arena_bytes, 0)
         else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxoffload_hf.transfer import arena_bytes
+from fxoffload_hf.transfer import arena_bytes, piece_arena_bytes
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,9 @@ def choose_resident(profiles: list[PieceProfile], budget: int, fixed_bytes: int)
         if candidate == resident:
             continue
         resident_bytes = sum(sizes[w] for w in candidate)
-        streamed = [sum(p.weight_bytes[w] for w in p.weights if w not in candidate) for p in profiles]
+        streamed = [
+            piece_arena_bytes([p.weight_bytes[w] for w in p.weights if w not in candidate]) for p in profiles
+        ]
         if fixed_bytes + resident_bytes + arena_bytes(streamed) <= budget:
             resident = candidate
     return resident

@@ -74,9 +74,14 @@ class StagingArena:
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
 
+def piece_arena_bytes(tensor_bytes: list[int]) -> int:
+    """Arena bytes one piece takes: its tensors laid out at aligned offsets."""
+    return sum(_aligned(b) for b in tensor_bytes)
+
+
 def arena_bytes(streamed_piece_bytes: list[int]) -> int:
-    """Capacity a staging arena needs for these pieces, run in order (and the first after the last)."""
-    sizes = [_aligned(b) + _ALIGN * 8 for b in streamed_piece_bytes] or [0]
+    """Capacity a staging arena needs for pieces of these sizes run in order (two consecutive at once)."""
+    sizes = list(streamed_piece_bytes) or [0]
     pairs = [a + b for a, b in zip(sizes, sizes[1:], strict=False)]
     return max(pairs + sizes)
 

@@ -1,0 +1,263 @@
+"""Property tests: random small Llama / GPT-2 models under random budgets (issue 7, reliability).
+
+At or above the smallest workable budget an offloaded model gives the eager output bit for bit, every
+piece fits the partition budget, and what the engine holds (resident weights, staging arena, activations,
+small resident tensors) fits the budget. Below it, the budget is refused with a ``pass gpu_memory=N``
+(or ``cpu_memory=N``) that works.
+
+Each example compiles a model (2 to 6 s here), so the example counts are small; the database is off so
+that running the tests writes nothing into the repository.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fxoffload_hf
+from fxoffload_hf.transfer import arena_bytes
+from fxoffload_hf.weights import Tier
+
+SETTINGS = settings(
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+_PASS_RE = re.compile(r"pass (gpu_memory|cpu_memory)=(\d+)")
+
+
+@dataclass(frozen=True)
+class Arch:
+    kind: str
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    kv_heads_one: bool
+    dtype: torch.dtype
+
+    def build(self) -> torch.nn.Module:
+        import transformers as tf
+
+        torch.manual_seed(0)
+        heads = self.hidden // 32
+        if self.kind == "llama":
+            cfg = tf.LlamaConfig(
+                vocab_size=self.vocab,
+                hidden_size=self.hidden,
+                intermediate_size=self.intermediate,
+                num_hidden_layers=self.layers,
+                num_attention_heads=heads,
+                num_key_value_heads=1 if self.kv_heads_one else heads,
+                max_position_embeddings=64,
+                tie_word_embeddings=self.tied,
+            )
+            model = tf.LlamaForCausalLM(cfg)
+        else:
+            cfg = tf.GPT2Config(
+                vocab_size=self.vocab,
+                n_embd=self.hidden,
+                n_inner=self.intermediate,
+                n_layer=self.layers,
+                n_head=heads,
+                n_positions=64,
+                bos_token_id=0,
+                eos_token_id=0,
+                tie_word_embeddings=self.tied,
+            )
+            model = tf.GPT2LMHeadModel(cfg)
+        return model.to(self.dtype).eval()
+
+    def ids(self) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+archs = st.builds(
+    Arch,
+    kind=st.sampled_from(["llama", "gpt2"]),
+    layers=st.integers(1, 4),
+    hidden=st.integers(2, 6).map(lambda k: 32 * k),
+    intermediate=st.integers(2, 12).map(lambda k: 32 * k),
+    vocab=st.integers(8, 32).map(lambda k: 32 * k),
+    tied=st.booleans(),
+    kv_heads_one=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+
+
+def _named_budget(exc: BaseException) -> int:
+    """The N of ``pass gpu_memory=N`` in a refusal (dynamo wraps refusals raised at the first call)."""
+    inner = getattr(exc, "inner_exception", None) or exc
+    match = _PASS_RE.search(str(inner))
+    assert match is not None, f"the refusal does not name a budget that works: {inner}"
+    return int(match.group(2))
+
+
+def _up_front_smallest(model: torch.nn.Module, key: str) -> int:
+    """The smallest budget ``offload`` names up front for a 1-byte budget (no capture needed)."""
+    try:
+        fxoffload_hf.offload(model, device="cpu", **{key: 1})
+    except ValueError as exc:
+        assert not hasattr(model, "_fxoffload_state")
+        return _named_budget(exc)
+    # every weight is small enough to stay resident: nothing to check up front
+    fxoffload_hf.restore(model)
+    return 1
+
+
+def _large_and_fixed(model: torch.nn.Module) -> tuple[int, int]:
+    threshold = 64 * 1024
+    params = {id(p): p.numel() * p.element_size() for p in model.parameters()}
+    large = sum(b for b in params.values() if b >= threshold)
+    fixed = sum(b for b in params.values() if b < threshold)
+    fixed += sum(b.numel() * b.element_size() for b in model.buffers())
+    return large, fixed
+
+
+def _planned_arena(engine) -> int:
+    """Staging bytes the current plan needs: disk reads of consecutive streamed pieces, per graph."""
+    need = 0
+    for executor in engine.executors:
+        streamed = [
+            sum(
+                r.disk.nbytes
+                for r in (engine.store.records[n] for n in names)
+                if r.resident is None and r.host is None and r.disk is not None
+            )
+            for names in executor.piece_names
+        ]
+        if any(streamed):
+            need = max(need, arena_bytes(streamed))
+    return need
+
+
+def check_engine_bookkeeping(engine, budget: int) -> dict[str, int]:
+    """Every piece within its partition budget; resident + arena + activations + fixed within the budget."""
+    for executor in engine.executors:
+        assert executor.piece_bytes, "a graph without pieces"
+        for nbytes in executor.piece_bytes:
+            assert nbytes <= executor.partition.budget, (executor.piece_bytes, executor.partition.budget)
+    records = list(engine.store.records.values())
+    if engine.budget_name == "cpu_memory":
+        # the CPU computes: every weight held in RAM (host tier or read in and kept) counts
+        resident = sum(r.nbytes for r in records if r.host is not None or r.resident is not None)
+    else:
+        # gpu_memory on the CPU sizes pieces "as if" for a device: only weights brought in and kept count
+        resident = sum(r.nbytes for r in records if r.resident is not None and r.resident is not r.host)
+    planned = _planned_arena(engine)
+    assert engine.copy.arena.capacity >= planned
+    held = {
+        "resident": resident,
+        # Known bug: the arena never shrinks once the schedule keeps pieces resident, so its capacity can
+        # exceed the plan (test_reliability.py::test_arena_shrinks_when_pieces_become_resident); the
+        # plan's own need is what is checked here.
+        "arena": planned,
+        "activations": max(e.activation_bytes for e in engine.executors),
+        "fixed": engine.fixed_bytes,
+    }
+    if engine.budget_name == "cpu_memory" and engine.store.bytes_in(Tier.DISK) == 0:
+        # Known bug: with every weight left in RAM under cpu_memory, activations are not counted
+        # (test_reliability.py::test_cpu_memory_counts_activations_when_weights_stay_in_ram).
+        held["activations"] = 0
+    assert sum(held.values()) <= budget, (held, budget)
+    return held
+
+
+def _offload_and_run(model, arch: Arch, key: str, budget: int, folder: str, policy: str):
+    """Offload at ``budget`` and run twice; returns the two outputs, or the refusal raised."""
+    fxoffload_hf.offload(model, device="cpu", offload_folder=folder, policy=policy, **{key: budget})
+    try:
+        with torch.no_grad():
+            return model(arch.ids()).logits, model(arch.ids()).logits
+    except Exception as exc:  # refused at the first call, when activations are known
+        fxoffload_hf.restore(model)
+        return exc
+
+
+@settings(SETTINGS, max_examples=8)
+@given(
+    arch=archs,
+    tier=st.sampled_from(["host", "disk"]),
+    policy=st.sampled_from(["auto", "sequential"]),
+    share=st.floats(0.0, 1.2),
+)
+def test_any_workable_budget_gives_eager_output_within_budget(arch, tier, policy, share):
+    model = arch.build()
+    with torch.no_grad():
+        expected = model(arch.ids()).logits
+    key = "gpu_memory" if tier == "host" else "cpu_memory"
+    low = _up_front_smallest(model, key)
+    large, fixed = _large_and_fixed(model)
+    # from the up-front smallest to a bit above the whole model: the disk tier mostly spills
+    budget = low + int(share * max(large + fixed + 150_000 - low, 1))
+    folder = tempfile.mkdtemp(prefix="fxoffload-prop-")
+    try:
+        result = _offload_and_run(model, arch, key, budget, folder, policy)
+        if isinstance(result, BaseException):
+            # below the smallest workable budget (activations count too): the named budget must work
+            named = _named_budget(result)
+            assert named > budget, f"refused {key}={budget} but named {named}, which is not larger"
+            budget = named
+            result = _offload_and_run(model, arch, key, budget, folder, policy)
+            assert not isinstance(result, BaseException), f"the named {key}={budget} was refused: {result}"
+        first, second = result
+        try:
+            assert torch.equal(first, expected)
+            assert torch.equal(second, expected)
+            engine = fxoffload_hf.engine_of(model)
+            check_engine_bookkeeping(engine, budget)
+        finally:
+            fxoffload_hf.restore(model)
+        assert [p.name for p in Path(folder).iterdir()] == []
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@settings(SETTINGS, max_examples=4)
+@given(arch=archs, tier=st.sampled_from(["host", "disk"]), share=st.floats(0.0, 0.999))
+def test_budget_below_the_smallest_is_refused_naming_one_that_works(arch, tier, share):
+    model = arch.build()
+    with torch.no_grad():
+        expected = model(arch.ids()).logits
+    key = "gpu_memory" if tier == "host" else "cpu_memory"
+    low = _up_front_smallest(model, key)
+    budget = max(1, int(low * share))
+    refusals = []
+    folder = tempfile.mkdtemp(prefix="fxoffload-prop-")
+    try:
+        # follow the named budgets: up front (weights only), then at the first call (with activations)
+        for _hop in range(3):
+            try:
+                result = _offload_and_run(model, arch, key, budget, folder, "auto")
+            except ValueError as exc:
+                result = exc
+                assert not hasattr(model, "_fxoffload_state"), "refused but left half-offloaded"
+            if not isinstance(result, BaseException):
+                break
+            named = _named_budget(result)
+            assert named > budget, f"refused {key}={budget} but named {named}"
+            assert key in str(getattr(result, "inner_exception", None) or result)
+            refusals.append((budget, named))
+            budget = named
+        else:
+            pytest.fail(f"no working budget after following {refusals}")
+        assert refusals, f"{key}={budget} below the smallest was accepted"
+        first, second = result
+        try:
+            assert torch.equal(first, expected) and torch.equal(second, expected)
+            check_engine_bookkeeping(fxoffload_hf.engine_of(model), budget)
+        finally:
+            fxoffload_hf.restore(model)
+        with torch.no_grad():
+            assert torch.equal(model(arch.ids()).logits, expected)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,50 @@
+"""The scheduler on synthetic profiles: unhidden copies first, budgets kept."""
+
+from __future__ import annotations
+
+from fxoffload_hf.schedule import PieceProfile, choose_resident, unhidden_copy_seconds
+from fxoffload_hf.transfer import arena_bytes
+
+
+def profile(name: str, nbytes: int, copy: float, compute: float) -> PieceProfile:
+    return PieceProfile((name,), {name: nbytes}, copy, compute)
+
+
+def test_first_piece_copy_is_never_hidden_and_later_ones_by_the_compute_before():
+    profiles = [profile("a", 10, 1.0, 2.0), profile("b", 10, 1.5, 0.5), profile("c", 10, 1.0, 1.0)]
+    assert unhidden_copy_seconds(profiles) == [1.0, 0.0, 0.5]
+
+
+def test_pieces_whose_copy_cannot_be_hidden_stay_resident_first():
+    profiles = [
+        profile("a", 100, 0.1, 5.0),  # copy fully exposed (first), but small
+        profile("b", 100, 1.0, 5.0),  # hidden by a's compute
+        profile("c", 100, 9.0, 5.0),  # 4 s exposed behind b's 5 s compute
+        profile("d", 100, 1.0, 5.0),
+    ]
+    fixed = 10
+    # room for c resident while the other three stream, then a too, but never a third piece
+    budget = fixed + 100 + arena_bytes([128, 128])
+    resident = choose_resident(profiles, budget, fixed)
+    assert resident == {"a", "c"}
+
+
+def test_resident_set_and_arena_always_fit_the_budget():
+    profiles = [profile(f"p{i}", 50 + 10 * i, 0.2 * i, 0.1) for i in range(12)]
+    for budget in range(300, 3000, 97):
+        resident = choose_resident(profiles, budget, fixed_bytes=40)
+        streamed = [0 if p.weights[0] in resident else p.nbytes for p in profiles]
+        used = 40 + sum(p.nbytes for p in profiles if p.weights[0] in resident) + arena_bytes(streamed)
+        assert used <= budget or not resident
+
+
+def test_shared_weights_count_once():
+    shared = PieceProfile(("emb", "x"), {"emb": 100, "x": 10}, 1.0, 1.0)
+    head = PieceProfile(("emb",), {"emb": 100}, 1.0, 1.0)
+    resident = choose_resident([shared, head], budget=10 + 110 + 64 * 9, fixed_bytes=10)
+    assert resident == {"emb", "x"}
+
+
+def test_arena_holds_any_two_consecutive_pieces():
+    assert arena_bytes([100, 10, 100]) >= 110
+    assert arena_bytes([100, 10, 100]) < 200
