@@ -148,6 +148,8 @@ def offload(
             if folder is None:
                 folder = temp_folder = Path(tempfile.mkdtemp(prefix="fxoffload-"))
             store.spill_to_disk(host_names, folder)
+        if config.device.type == "cuda":
+            store.pin_host_memory()
         state.temp_folder = temp_folder
         for param, uses, name in large:
             record = store.records[name]
@@ -156,8 +158,9 @@ def offload(
             for module, attr, _alias in uses:
                 state.params.append((module, attr, param, name))
                 module._parameters[attr] = ghost
-            if record.host is None and param.device.type != "meta":
-                param.data = torch.empty(0, dtype=param.dtype)
+            shares_host = record.host is not None and record.host.data_ptr() == param.data_ptr()
+            if not shares_host and param.device.type != "meta":
+                param.data = torch.empty(0, dtype=param.dtype)  # the store holds the only copy
         for module in {m for m, *_ in state.params}:
             state.hooks.append(module.register_forward_pre_hook(guard_hook))
             state.entries.append(

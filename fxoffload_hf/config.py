@@ -25,6 +25,7 @@ _UNITS = {
 }
 _BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*|%)\s*$")
 POLICIES = ("auto", "sequential")
+DEFAULT_GPU_SHARE = 0.9
 COMPILE_BACKENDS = (None, "inductor", "tensorrt")
 
 BudgetSpec = int | float | str | None
@@ -138,9 +139,12 @@ class OffloadConfig:
         if compile not in COMPILE_BACKENDS:
             raise ValueError(f"compile: {compile!r} is not one of {COMPILE_BACKENDS}")
         gpu_free = memory.free_device_memory(dev) if dev.type == "cuda" else memory.free_host_memory()
+        gpu_budget = parse_budget(gpu_memory, free_bytes=gpu_free, what="gpu_memory")
+        if gpu_budget is None and dev.type == "cuda":
+            gpu_budget = int(gpu_free * DEFAULT_GPU_SHARE)  # leave room for the CUDA context and others
         return cls(
             device=dev,
-            gpu_memory=parse_budget(gpu_memory, free_bytes=gpu_free, what="gpu_memory"),
+            gpu_memory=gpu_budget,
             cpu_memory=parse_budget(cpu_memory, free_bytes=memory.free_host_memory(), what="cpu_memory"),
             offload_folder=Path(offload_folder) if offload_folder is not None else None,
             policy=policy,

@@ -69,6 +69,7 @@ class WeightStore:
         self.device = device
         self.records: dict[str, WeightRecord] = {}
         self._spilled_files: list[Path] = []
+        self._registered: list[torch.UntypedStorage] = []
         self._lock = threading.Lock()
 
     # -- building -------------------------------------------------------------------------------
@@ -146,6 +147,21 @@ class WeightStore:
             record.resident = record.resident.to(dtype)
         record.dtype = dtype
 
+    def pin_host_memory(self) -> None:
+        """Page-lock host-tier tensors for fast, asynchronous copies, in place where CUDA allows
+        (``cudaHostRegister``), so host RAM holds each weight once; else one tensor at a time."""
+        cudart = torch.cuda.cudart()
+        for record in self.records.values():
+            host = record.host
+            if host is None or host.is_pinned():
+                continue
+            storage = host.untyped_storage()
+            code = cudart.cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0)
+            if int(code) == 0:
+                self._registered.append(storage)
+            else:
+                record.host = host.pin_memory()
+
     def make_resident(self, name: str) -> None:
         """Keep ``name`` on the compute device from now on."""
         record = self.records[name]
@@ -205,6 +221,9 @@ class WeightStore:
         for record in self.records.values():
             record.resident = None
             record.host = None
+        for storage in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(storage.data_ptr())
+        self._registered.clear()
         for path in self._spilled_files:
             path.unlink(missing_ok=True)
         self._spilled_files.clear()

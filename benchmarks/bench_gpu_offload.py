@@ -1,0 +1,156 @@
+"""GPU benchmark: eager on the GPU, fxoffload at 25% of the model in GPU memory, accelerate's CPU offload.
+
+Prints a table and writes JSON. Targets (issue 6): step time within 10% of max(compute, copy);
+fxoffload >= 3x accelerate's tokens/s at the same budget; host RAM <= 1.1x the model's bytes.
+
+    python benchmarks/bench_gpu_offload.py [--size-gb 2] [--new-tokens 32] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import transformers
+
+import fxoffload_hf
+
+
+def build_checkpoint(size_gb: float, folder: Path) -> int:
+    """A random-init bf16 Llama of about ``size_gb`` GB, saved as sharded safetensors; returns its bytes."""
+    hidden, inter, vocab = 2048, 5632, 32000
+    per_layer = 2 * (4 * hidden * hidden + 3 * hidden * inter)
+    layers = max(2, round((size_gb * 1e9 - 2 * 2 * vocab * hidden) / per_layer))
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="1GB")
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    torch.cuda.empty_cache()
+    return nbytes
+
+
+def h2d_bandwidth() -> float:
+    """Bytes per second of a pinned host-to-device copy."""
+    src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return 5 * src.numel() / (time.perf_counter() - start)
+
+
+def decode(model: Any, ids: torch.Tensor, new_tokens: int) -> dict[str, Any]:
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up: capture, profile, schedule
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {
+        "tokens_per_second": round(new_tokens / seconds, 3),
+        "step_seconds": round(seconds / new_tokens, 5),
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(),
+        "host_rss_bytes": psutil.Process().memory_info().rss,
+        "tokens": out[0].tolist(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--size-gb", type=float, default=2.0)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--share", type=float, default=0.25, help="GPU budget as a share of the model")
+    parser.add_argument("--out", default="bench_results/bench_gpu_offload.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gpu_offload needs a CUDA device")
+    folder = Path(tempfile.mkdtemp(prefix="fxoffload-gpu-bench-"))
+    model_bytes = build_checkpoint(args.size_gb, folder)
+    budget = int(model_bytes * args.share)
+    ids = torch.randint(0, 32000, (1, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    results: dict[str, Any] = {}
+
+    eager = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda()
+    results["eager"] = decode(eager, ids, args.new_tokens)
+    del eager
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    base_rss = psutil.Process().memory_info().rss
+    model = fxoffload_hf.from_pretrained(folder, gpu_memory=budget, cpu_memory=None, device="cuda")
+    results["fxoffload"] = decode(model, ids, args.new_tokens)
+    engine = fxoffload_hf.engine_of(model)
+    results["fxoffload"].update(engine.stats.as_dict())
+    results["fxoffload"]["host_rss_rise_bytes"] = results["fxoffload"]["host_rss_bytes"] - base_rss
+    streamed_per_step = engine.stats.bytes_streamed / max(engine.stats.calls, 1)
+    fxoffload_hf.restore(model)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    accelerate_model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.bfloat16, device_map="auto", max_memory={0: budget, "cpu": "200GiB"}
+    )
+    results["accelerate"] = decode(accelerate_model, ids, args.new_tokens)
+    del accelerate_model
+
+    bandwidth = h2d_bandwidth()
+    compute = results["eager"]["step_seconds"]
+    copy = streamed_per_step / bandwidth
+    fx = results["fxoffload"]
+    summary = {
+        "model_bytes": model_bytes,
+        "gpu_budget_bytes": budget,
+        "h2d_bytes_per_second": bandwidth,
+        "compute_step_seconds": compute,
+        "copy_step_seconds": copy,
+        "step_vs_bound": round(fx["step_seconds"] / max(compute, copy), 3),
+        "fx_vs_accelerate_tokens": round(
+            fx["tokens_per_second"] / results["accelerate"]["tokens_per_second"], 2
+        ),
+        "host_rss_rise_vs_model": round(fx["host_rss_rise_bytes"] / model_bytes, 3),
+        "same_tokens": fx["tokens"] == results["eager"]["tokens"],
+    }
+    print(f"{'mode':12}{'tok/s':>10}{'step ms':>10}{'peak GPU MiB':>14}{'host RSS MiB':>14}")
+    for mode, r in results.items():
+        print(
+            f"{mode:12}{r['tokens_per_second']:>10.2f}{r['step_seconds'] * 1e3:>10.2f}"
+            f"{r['peak_gpu_bytes'] / 2**20:>14.0f}{r['host_rss_bytes'] / 2**20:>14.0f}"
+        )
+    print(json.dumps(summary, indent=2))
+    record = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(),
+        "host": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "results": {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in results.items()},
+        "summary": summary,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()
