@@ -99,6 +99,40 @@ def refuse_state_dict_load(module: nn.Module, *args: Any, **kwargs: Any) -> None
     )
 
 
+def capture_device(example_inputs: list[Any]) -> torch.device | None:
+    """The device the graph was traced on: that of its first tensor input."""
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return None
+
+
+def retarget_devices(graph: torch.fx.Graph, source: torch.device, target: torch.device) -> int:
+    """Rewrite device constants baked into ``graph`` (``device=`` arguments) from ``source`` to ``target``.
+
+    Returns how many arguments changed. Only ``source`` is rewritten: a constant naming another device
+    (say, a deliberate CPU tensor in a GPU graph) stays as it is.
+    """
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, torch.device | str) and value != "meta":
+            try:
+                if torch.device(value) == source:
+                    return target
+            except RuntimeError:
+                return value
+        return value
+
+    changed = 0
+    for node in graph.nodes:
+        if "device" in node.kwargs:
+            new = swap(node.kwargs["device"])
+            if new is not node.kwargs["device"]:
+                node.kwargs = {**node.kwargs, "device": new}
+                changed += 1
+    return changed
+
+
 def handle_of(value: Any) -> GhostHandle | None:
     return getattr(value, HANDLE_ATTR, None)
 

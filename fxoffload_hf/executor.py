@@ -17,7 +17,7 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-from fxoffload_hf.capture import handle_of
+from fxoffload_hf.capture import capture_device, handle_of, retarget_devices
 from fxoffload_hf.integrations.piece_compilers import compile_piece
 from fxoffload_hf.partition import Partition
 from fxoffload_hf.schedule import PieceProfile
@@ -119,6 +119,10 @@ class GraphExecutor:
                 self.weight_args[node] = index
                 weight_bytes[node] = handle.record.footprint
                 names[node] = handle.record.name
+        traced_on = capture_device(example_inputs)
+        if traced_on is not None and traced_on != engine.device:
+            retarget_devices(gm.graph, traced_on, engine.device)
+            gm.recompile()
         self.activation_bytes = activation_peak(gm.graph, set(weight_bytes))
         self.partition: Partition = engine.partition(gm.graph, weight_bytes, self.activation_bytes)
         self.split = self._split(gm)

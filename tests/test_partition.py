@@ -133,3 +133,16 @@ def test_work_grows_linearly_with_graph_size():
     per_node = [work[n] / n for n in sorted(work)]
     # linear: the work per layer stays flat (a quadratic partitioner would grow it 16x)
     assert max(per_node) < 1.2 * min(per_node)
+
+
+def test_device_constants_from_the_capture_device_are_retargeted():
+    from fxoffload_hf.capture import retarget_devices
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    ones = graph.call_function(torch.ones, (3,), {"device": torch.device("cpu")})
+    kept = graph.call_function(torch.zeros, (3,), {"device": "cuda:1"})
+    graph.output((graph.call_function(operator.add, (x, ones)), kept))
+    assert retarget_devices(graph, torch.device("cpu"), torch.device("cuda", 0)) == 1
+    assert ones.kwargs["device"] == torch.device("cuda", 0)
+    assert kept.kwargs["device"] == "cuda:1"

@@ -19,16 +19,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import fxoffload_hf
-from fxoffload_hf.transfer import arena_bytes
+from fxoffload_hf.transfer import arena_bytes, piece_arena_bytes
 from fxoffload_hf.weights import Tier
 
 SETTINGS = settings(
     deadline=None,
     database=None,
+    phases=(Phase.explicit, Phase.generate),  # a shrink here recompiles for minutes
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 _PASS_RE = re.compile(r"pass (gpu_memory|cpu_memory)=(\d+)")
@@ -128,10 +130,12 @@ def _planned_arena(engine) -> int:
     need = 0
     for executor in engine.executors:
         streamed = [
-            sum(
-                r.disk.nbytes
-                for r in (engine.store.records[n] for n in names)
-                if r.resident is None and r.host is None and r.disk is not None
+            piece_arena_bytes(
+                [
+                    r.disk.nbytes
+                    for r in (engine.store.records[n] for n in names)
+                    if r.resident is None and r.host is None and r.disk is not None
+                ]
             )
             for names in executor.piece_names
         ]
@@ -152,7 +156,7 @@ def check_engine_bookkeeping(engine, budget: int) -> dict[str, int]:
         resident = sum(r.nbytes for r in records if r.host is not None or r.resident is not None)
     else:
         # gpu_memory on the CPU sizes pieces "as if" for a device: only weights brought in and kept count
-        resident = sum(r.nbytes for r in records if r.resident is not None and r.resident is not r.host)
+        resident = sum(r.nbytes for r in records if r.resident is not None and r.host is None)
     planned = _planned_arena(engine)
     assert engine.copy.arena.capacity >= planned
     held = {

@@ -152,11 +152,23 @@ def test_pickle_checkpoints_are_refused_unless_allowed(tmp_path):
     import transformers as tf
 
     torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(_config("llama"))
+    model = tf.LlamaForCausalLM(_config("llama")).eval()
+    model.config.architectures = ["LlamaForCausalLM"]
     model.config.save_pretrained(tmp_path)
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="allow_pickle=True"):
         fxoffload_hf.from_pretrained(tmp_path, cpu_memory=2_000_000, device="cpu")
+    loaded = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=2_000_000, device="cpu", allow_pickle=True)
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, model(IDS).logits)
+    fxoffload_hf.restore(loaded)
+
+
+def test_hub_id_without_network_or_cache_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="download it first"):
+        fxoffload_hf.from_pretrained("some-org/some-model-7b", cpu_memory="1GiB")
 
 
 def test_offload_values_other_than_fx_are_refused(tmp_path):
