@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +26,6 @@ from fxoffload_hf.transfer import LoadedPiece
 from fxoffload_hf.weights import WeightRecord
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
-
     from fxoffload_hf.engine import Engine
 
 
@@ -199,52 +198,60 @@ class GraphExecutor:
         pieces = len(self.piece_weights)
         pending: Future[LoadedPiece] | None = copy.submit(self._records(args, 0), 0) if pieces else None
         wait_seconds = 0.0
-        for step in self.steps:
-            if step.piece is None:
-                env[step.node] = step.fn(*[env[a] if isinstance(a, fx.Node) else a for a in step.args])
-            else:
-                assert pending is not None
-                waited = time.perf_counter()
-                loaded = pending.result()
-                wait_seconds += time.perf_counter() - waited
-                weights = copy.ready(loaded)
-                if step.piece + 1 < pieces:
-                    pending = copy.submit(self._records(args, step.piece + 1), (step.piece + 1) % 2)
-                call_args = [
-                    (
-                        weights[self._record(args, self.top_to_original[a]).name]
-                        if a in self.weight_top
-                        else env[a]
+        try:
+            for step in self.steps:
+                if step.piece is None:
+                    env[step.node] = step.fn(*[env[a] if isinstance(a, fx.Node) else a for a in step.args])
+                else:
+                    assert pending is not None
+                    waited = time.perf_counter()
+                    loaded = pending.result()
+                    wait_seconds += time.perf_counter() - waited
+                    weights = copy.ready(loaded)
+                    if step.piece + 1 < pieces:
+                        pending = copy.submit(self._records(args, step.piece + 1), (step.piece + 1) % 2)
+                    call_args = [
+                        (
+                            weights[self._record(args, self.top_to_original[a]).name]
+                            if a in self.weight_top
+                            else env[a]
+                        )
+                        if isinstance(a, fx.Node)
+                        else a
+                        for a in step.args
+                    ]
+                    start = time.perf_counter()
+                    try:
+                        result = step.fn(*call_args)
+                    except Exception as exc:
+                        raise PieceError(
+                            f"piece {step.piece} ({step.node.target}) of a graph offloaded by fxoffload_hf failed: {exc}"
+                        ) from exc
+                    del call_args
+                    if profile and engine.device.type == "cuda":
+                        torch.cuda.synchronize(engine.device)
+                    end = time.perf_counter()
+                    if loaded.streamed_bytes and engine.device.type == "cpu":
+                        result = copy.detach_from_arena(result)
+                    env[step.node] = result
+                    del weights
+                    engine.stats.add_piece(loaded.streamed_bytes, loaded.seconds)
+                    timing = PieceTiming(
+                        step.piece, loaded.started, loaded.started + loaded.seconds, start, end
                     )
-                    if isinstance(a, fx.Node)
-                    else a
-                    for a in step.args
-                ]
-                start = time.perf_counter()
-                try:
-                    result = step.fn(*call_args)
-                except Exception as exc:
-                    raise PieceError(
-                        f"piece {step.piece} ({step.node.target}) of a graph offloaded by fxoffload_hf failed: {exc}"
-                    ) from exc
-                del call_args
-                if profile and engine.device.type == "cuda":
-                    torch.cuda.synchronize(engine.device)
-                end = time.perf_counter()
-                if loaded.streamed_bytes and engine.device.type == "cpu":
-                    result = copy.detach_from_arena(result)
-                env[step.node] = result
-                del weights
-                engine.stats.add_piece(loaded.streamed_bytes, loaded.seconds)
-                timing = PieceTiming(step.piece, loaded.started, loaded.started + loaded.seconds, start, end)
-                if profile:
-                    self.timings.append(timing)
-                if engine.trace is not None:
-                    engine.trace.append(
-                        TraceEvent(self.index, engine.stats.calls, loaded.streamed_bytes, timing)
-                    )
-            for value in step.frees:
-                env.pop(value, None)
+                    if profile:
+                        self.timings.append(timing)
+                    if engine.trace is not None:
+                        engine.trace.append(
+                            TraceEvent(self.index, engine.stats.calls, loaded.streamed_bytes, timing)
+                        )
+                for value in step.frees:
+                    env.pop(value, None)
+        except BaseException:
+            # leave the staging arena quiet: an unfinished read must not land in the next call's piece
+            if pending is not None:
+                wait([pending])
+            raise
         engine.stats.add_call(wait_seconds)
         out = self.output_node.args[0]
         return fx.node.map_arg(out, lambda n: env[n] if n not in self.weight_top else args[self.arg_index[n]])
