@@ -14,7 +14,7 @@ from torch import fx
 
 from fxoffload_hf.config import OffloadConfig
 from fxoffload_hf.executor import GraphExecutor, TraceEvent
-from fxoffload_hf.memory import format_bytes
+from fxoffload_hf.memory import format_bytes, return_large_frees_to_the_os
 from fxoffload_hf.partition import BudgetTooSmallError, Partition, partition_graph
 from fxoffload_hf.schedule import choose_resident
 from fxoffload_hf.transfer import CopyEngine, arena_bytes, piece_arena_bytes
@@ -73,6 +73,8 @@ class Engine:
         self.device = config.device
         self.fixed_bytes = fixed_bytes  # small parameters and buffers kept on the device
         self.copy = CopyEngine(config.device)
+        if self.budget is not None:
+            return_large_frees_to_the_os()
         self.lock = threading.RLock()
         self.stats = Stats()
         self.executors: list[GraphExecutor] = []
@@ -112,12 +114,12 @@ class Engine:
         share = _STREAM_SHARE if self.config.policy == "auto" else 1.0
         target = max(int(available * share / 2), 1)
         try:
-            result = partition_graph(graph, weight_bytes, target)
+            # an unsplittable group larger than the target sits alone in its piece, as long as two such
+            # pieces could still be in flight together
+            result = partition_graph(graph, weight_bytes, target, max_atom=max(available // 2, target))
         except BudgetTooSmallError as exc:
             smallest = self.smallest_budget(exc.smallest_budget, activation_bytes)
-            if smallest > budget:
-                raise self._too_small(exc, smallest, activation_bytes) from None
-            result = partition_graph(graph, weight_bytes, exc.smallest_budget)
+            raise self._too_small(exc, smallest, activation_bytes) from None
         need = (
             self.fixed_bytes
             + activation_bytes
@@ -184,7 +186,7 @@ class Engine:
             ]
             if any(disk):
                 need = max(need, arena_bytes(disk))
-        self.copy.arena.reserve(need)
+        self.copy.arena.resize(need)
 
     def close(self) -> None:
         self.copy.close()

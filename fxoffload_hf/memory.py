@@ -17,6 +17,31 @@ def free_host_memory() -> int:
     return int(available)
 
 
+def memory_limit() -> int | None:
+    """This process's memory-cgroup limit in bytes, or None when it has none."""
+    return _cgroup_limit()
+
+
+_M_MMAP_THRESHOLD = -3
+
+
+def return_large_frees_to_the_os(threshold: int = 1 << 20) -> bool:
+    """Make glibc serve allocations above ``threshold`` with mmap, so freeing them returns the memory.
+
+    glibc otherwise raises its mmap threshold after the first large free, and the multi-megabyte weight
+    buffers an offloaded model reads and drops then stay in the heap as holes: resident memory creeps
+    past the budget. Process-wide, and the same as setting ``MALLOC_MMAP_THRESHOLD_``. False where the
+    C library is not glibc.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
+
+
 def free_device_memory(device: torch.device) -> int:
     """Free bytes on a CUDA device (``torch.cuda.mem_get_info``)."""
     free, _total = torch.cuda.mem_get_info(device)

@@ -209,15 +209,20 @@ class _Grouper:
         return True
 
 
-def partition_graph(graph: fx.Graph, weight_bytes: Mapping[fx.Node, int], budget: int) -> Partition:
+def partition_graph(
+    graph: fx.Graph, weight_bytes: Mapping[fx.Node, int], budget: int, *, max_atom: int | None = None
+) -> Partition:
     """Cut ``graph`` into sequential pieces whose weights (nodes in ``weight_bytes``) fit ``budget``.
 
-    A weight used by several pieces counts in each of them. Pieces are in a valid execution order.
+    A weight used by several pieces counts in each of them. Pieces are in a valid execution order, and
+    two consecutive pieces together take at most ``max(2 * budget, largest atom + budget)``. An atom
+    larger than ``budget`` but not than ``max_atom`` (default: ``budget``) gets a piece of its own.
 
     Raises:
-        BudgetTooSmallError: an atom's weights exceed ``budget``; the message names its largest weight
+        BudgetTooSmallError: an atom's weights exceed ``max_atom``; the message names its largest weight
             and the smallest budget that works.
     """
+    max_atom = budget if max_atom is None else max_atom
     grouper = _Grouper(graph, weight_bytes)
     atoms = grouper.atoms()
     work = grouper.work
@@ -236,15 +241,19 @@ def partition_graph(graph: fx.Graph, weight_bytes: Mapping[fx.Node, int], budget
         size = sum(weight_bytes[w] for w in weights)
         if size > largest:
             largest, largest_atom = size, index
-    if largest > budget:
+    if largest > max_atom:
         heaviest = max(atom_weights[largest_atom], key=lambda w: weight_bytes[w])
         raise BudgetTooSmallError(
             f"weight {heaviest.name!r} ({format_bytes(weight_bytes[heaviest])}, loaded together with "
             f"{len(atom_weights[largest_atom]) - 1} other weight(s) of its op) does not fit the piece budget of "
-            f"{format_bytes(budget)}; the smallest piece budget that works is {format_bytes(largest)}",
+            f"{format_bytes(max_atom)}; the smallest piece budget that works is {format_bytes(largest)}",
             smallest_budget=largest,
         )
 
+    # two consecutive pieces are in memory at once: after a piece of s bytes the next may take only
+    # pair_budget - s, so one large unsplittable weight (an embedding) does not double the staging need
+    pair_budget = max(2 * budget, largest + budget)
+    limit = budget
     pieces = [Piece(0)]
     in_piece: set[fx.Node] = set()
     for atom, weights in zip(atoms, atom_weights, strict=True):
@@ -252,7 +261,8 @@ def partition_graph(graph: fx.Graph, weight_bytes: Mapping[fx.Node, int], budget
         added = sum(weight_bytes[w] for w in new)
         work += 1 + len(weights)
         piece = pieces[-1]
-        if piece.nodes and added and piece.weight_bytes + added > budget:
+        if piece.nodes and added and piece.weight_bytes + added > limit:
+            limit = max(min(budget, pair_budget - piece.weight_bytes), 1)
             piece = Piece(len(pieces))
             pieces.append(piece)
             in_piece = set()

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
+from fxoffload_hf.memory import memory_limit
 from fxoffload_hf.safetensors_io import read_into
 from fxoffload_hf.weights import WeightRecord, as_typed
 
@@ -52,11 +53,12 @@ class StagingArena:
     def capacity(self) -> int:
         return self.buffer.numel()
 
-    def reserve(self, capacity: int) -> None:
-        """Grow to at least ``capacity`` bytes (only between calls: nothing may live in it then)."""
-        if capacity > self.capacity:
-            self.buffer = torch.empty(0, dtype=torch.uint8)
-            self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pin)
+    def resize(self, capacity: int) -> None:
+        """Hold exactly ``capacity`` bytes (only between calls: nothing may live in it then)."""
+        if capacity != self.capacity:
+            self.buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            if capacity:
+                self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pin)
 
     def layout(self, sizes: list[int], side: int) -> list[torch.Tensor]:
         """Byte views for tensors of ``sizes`` from the front (side 0) or the back (side 1)."""
@@ -95,6 +97,9 @@ class CopyEngine:
         self.arena = StagingArena(pin=self.is_cuda)
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fxoffload-read")
         self.stream = torch.cuda.Stream(device) if self.is_cuda else None
+        # Under a memory limit the page cache is charged to us: drop what we read. Without one it is the
+        # kernel's reclaimable cache, and re-reads of streamed weights come from RAM instead of the disk.
+        self.drop_cache = memory_limit() is not None
 
     def submit(self, records: list[WeightRecord], side: int) -> Future[LoadedPiece]:
         """Start bringing ``records`` to the device; the future resolves once they can be used."""
@@ -108,7 +113,7 @@ class CopyEngine:
         if from_disk:
             sources = [r.disk for r in from_disk]
             views = self.arena.layout([s.nbytes for s in sources if s is not None], side)
-            read_into([s for s in sources if s is not None], views)
+            read_into([s for s in sources if s is not None], views, drop_cache=self.drop_cache)
             for record, view in zip(from_disk, views, strict=True):
                 assert record.disk is not None
                 value = as_typed(view, record.disk)

@@ -14,7 +14,7 @@ from fxoffload_hf.weights import as_typed
 def test_consecutive_pieces_never_overlap_in_the_arena():
     sizes = [[300, 200], [1000], [64, 64, 64], [900, 37]]
     arena = StagingArena(pin=False)
-    arena.reserve(arena_bytes([piece_arena_bytes(s) for s in sizes]))
+    arena.resize(arena_bytes([piece_arena_bytes(s) for s in sizes]))
     previous: list[torch.Tensor] = []
     for index, piece in enumerate(sizes):
         views = arena.layout(piece, index % 2)
@@ -27,7 +27,7 @@ def test_consecutive_pieces_never_overlap_in_the_arena():
 
 def test_arena_refuses_a_piece_larger_than_itself():
     arena = StagingArena(pin=False)
-    arena.reserve(128)
+    arena.resize(128)
     with pytest.raises(RuntimeError, match="cannot hold"):
         arena.layout([1000], 0)
 
