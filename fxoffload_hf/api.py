@@ -265,11 +265,18 @@ def _wrap_entry(model: nn.Module, entry: str, state: _OffloadState) -> None:
 
     @functools.wraps(original)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             # traced as part of another entry point (an encoder inside the full forward): inline it
             return original(*args, **kwargs)
         with engine.lock, inside_engine():
-            return compiled(*args, **kwargs)
+            try:
+                return compiled(*args, **kwargs)
+            except torch._dynamo.exc.BackendCompilerFailed as exc:
+                # a budget refused while a graph is captured reaches the caller as itself
+                inner = getattr(exc, "inner_exception", None)
+                if isinstance(inner, ValueError):
+                    raise inner from None
+                raise
 
     state.entries.append((target, attr, had_own, target.__dict__.get(attr)))
     setattr(target, attr, run)

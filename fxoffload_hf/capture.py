@@ -153,13 +153,20 @@ class inside_engine:  # noqa: N801 - used as a context manager
 
 def guard_hook(module: nn.Module, args: Any) -> None:
     """Forward pre-hook on modules holding ghosts: refuse eager calls outside the engine."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return
     if not is_inside_engine():
         raise OffloadedWeightAccessError(
             f"{type(module).__name__} holds weights offloaded by fxoffload_hf and was called directly; "
             "call the offloaded model itself, or fxoffload_hf.restore(model) first"
         )
+    # inside the engine but not captured: dynamo fell back to eager (a graph break in this module, or its
+    # recompile limit), where the weights would be placeholders
+    raise OffloadedWeightAccessError(
+        f"{type(module).__name__} ran outside a captured graph (dynamo fell back to eager: a graph break "
+        "inside it, or torch._dynamo.config.recompile_limit reached); its offloaded weights are not there. "
+        "Raise the recompile limit, or remove the graph break"
+    )
 
 
 def compile_entry(fn: Callable[..., Any], backend: Callable[..., Any]) -> Callable[..., Any]:

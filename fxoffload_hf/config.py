@@ -43,35 +43,39 @@ def parse_budget(value: BudgetSpec, *, free_bytes: int | None = None, what: str 
     if value is None:
         return None
     if isinstance(value, bool):
-        raise ValueError(f"{what}: expected bytes, a size string or a percentage, got {value!r}")
+        raise ValueError(f"{what}: expected bytes, a size string or a percentage, got {value!r:.40}")
     if isinstance(value, int | float):
         if value != value or value in (float("inf"), float("-inf")):
-            raise ValueError(f"{what}: {value!r} is not a finite number of bytes")
+            raise ValueError(f"{what}: {value!r:.40} is not a finite number of bytes")
         if value <= 0:
-            raise ValueError(f"{what}: must be positive, got {value!r}; pass None for no limit")
+            raise ValueError(f"{what}: must be positive, got {value!r:.40}; pass None for no limit")
         return int(value)
     if not isinstance(value, str):
         raise ValueError(f"{what}: expected bytes, a size string or a percentage, got {type(value).__name__}")
     match = _BUDGET_RE.match(value)
     if match is None:
         raise ValueError(
-            f"{what}: cannot read {value!r}; write bytes (1073741824), a size ('1.5GiB', '800MB') "
+            f"{what}: cannot read {value!r:.40}; write bytes (1073741824), a size ('1.5GiB', '800MB') "
             "or a share of free memory ('80%')"
         )
     number, unit = float(match.group(1)), match.group(2).lower()
+    if number == float("inf"):
+        raise ValueError(f"{what}: {value!r:.40} is too large to be a number of bytes")
     if unit == "%":
         if not 0 < number <= 100:
-            raise ValueError(f"{what}: a percentage must lie in (0, 100], got {value!r}")
+            raise ValueError(f"{what}: a percentage must lie in (0, 100], got {value!r:.40}")
         if free_bytes is None:
-            raise ValueError(f"{what}: {value!r} is a share of free memory, but free memory is unknown here")
+            raise ValueError(
+                f"{what}: {value!r:.40} is a share of free memory, but free memory is unknown here"
+            )
         return int(free_bytes * number / 100)
     if unit not in _UNITS:
         raise ValueError(
-            f"{what}: unknown unit {match.group(2)!r} in {value!r}; use B, KB, MB, GB, KiB, MiB or GiB"
+            f"{what}: unknown unit {match.group(2)!r} in {value!r:.40}; use B, KB, MB, GB, KiB, MiB or GiB"
         )
     nbytes = int(number * _UNITS[unit])
     if nbytes <= 0:
-        raise ValueError(f"{what}: must be positive, got {value!r}; pass None for no limit")
+        raise ValueError(f"{what}: must be positive, got {value!r:.40}; pass None for no limit")
     return nbytes
 
 

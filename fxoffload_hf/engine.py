@@ -20,8 +20,9 @@ from fxoffload_hf.schedule import choose_resident
 from fxoffload_hf.transfer import CopyEngine, arena_bytes, piece_arena_bytes
 from fxoffload_hf.weights import WeightStore
 
-# share of the free budget that streaming may take under the "auto" policy; the rest can stay resident
-_STREAM_SHARE = 0.25
+# the free budget is split this many ways into piece targets: under "auto" two pieces in flight take a
+# quarter of it and the rest can stay resident; under "sequential" two pieces take all of it
+_PIECE_DIVISOR = {"auto": 8, "sequential": 2}
 
 
 @dataclass
@@ -111,8 +112,7 @@ class Engine:
         if budget is None:
             return partition_graph(graph, weight_bytes, max(sum(weight_bytes.values()), 1))
         available = budget - self.fixed_bytes - activation_bytes
-        share = _STREAM_SHARE if self.config.policy == "auto" else 1.0
-        target = max(int(available * share / 2), 1)
+        target = max(available // _PIECE_DIVISOR[self.config.policy], 1)
         try:
             # an unsplittable group larger than the target sits alone in its piece, as long as two such
             # pieces could still be in flight together

@@ -103,6 +103,15 @@ class TraceEvent:
     timing: PieceTiming
 
 
+def _result(pending: Future[LoadedPiece]) -> LoadedPiece:
+    """Wait for a read, waking often enough that Ctrl-C is not held up until the read ends."""
+    while True:
+        try:
+            return pending.result(timeout=0.1)
+        except TimeoutError:
+            continue
+
+
 class GraphExecutor:
     """Runs one captured graph within the engine's budget."""
 
@@ -205,7 +214,7 @@ class GraphExecutor:
                 else:
                     assert pending is not None
                     waited = time.perf_counter()
-                    loaded = pending.result()
+                    loaded = _result(pending)
                     wait_seconds += time.perf_counter() - waited
                     weights = copy.ready(loaded)
                     if step.piece + 1 < pieces:

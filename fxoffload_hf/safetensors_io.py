@@ -46,6 +46,7 @@ class TensorSlice:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    signature: tuple[int, int, int] = (0, 0, 0)  # (inode, size, mtime ns) of the file when indexed
 
 
 def read_header(path: str | os.PathLike[str]) -> dict[str, TensorSlice]:
@@ -56,7 +57,9 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, TensorSlice]:
     """
     path = Path(path)
     try:
-        size = path.stat().st_size
+        stat = path.stat()
+        size = stat.st_size
+        signature = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
         with open(path, "rb") as handle:
             prefix = handle.read(8)
             if len(prefix) < 8:
@@ -99,7 +102,7 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, TensorSlice]:
                 f"{path}: tensor {key!r} declares bytes {begin}..{end} but needs {expected} and the file has "
                 f"{size - base} data bytes; the file is truncated or corrupt"
             )
-        slices[key] = TensorSlice(path, key, base + begin, end - begin, dtype, shape)
+        slices[key] = TensorSlice(path, key, base + begin, end - begin, dtype, shape, signature)
     return slices
 
 
@@ -130,6 +133,7 @@ def _read_run(slices: list[TensorSlice], buffers: list[torch.Tensor], drop_cache
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found; restore the missing shard") from None
     try:
+        _check_unchanged(fd, slices)
         views = [memoryview(b.numpy()) for b in buffers]  # type: ignore[arg-type]
         done = 0
         while done < total:
@@ -144,6 +148,26 @@ def _read_run(slices: list[TensorSlice], buffers: list[torch.Tensor], drop_cache
             os.posix_fadvise(fd, start, total, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def _check_unchanged(fd: int, slices: list[TensorSlice]) -> None:
+    """Raise if the file was replaced since it was indexed and its tensors no longer lie where they did."""
+    stat = os.fstat(fd)
+    if (stat.st_ino, stat.st_size, stat.st_mtime_ns) == slices[0].signature:
+        return
+    now = read_header(slices[0].path)
+    for old in slices:
+        new = now.get(old.key)
+        if new is None or (new.offset, new.nbytes, new.dtype, new.shape) != (
+            old.offset,
+            old.nbytes,
+            old.dtype,
+            old.shape,
+        ):
+            raise CheckpointError(
+                f"{old.path}: changed since the model was loaded (tensor {old.key!r} moved or is gone); "
+                "restore the original file, or load the model again"
+            )
 
 
 def _skip(views: list[memoryview], count: int) -> list[memoryview]:

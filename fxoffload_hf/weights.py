@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from fxoffload_hf.memory import format_bytes
@@ -116,11 +117,11 @@ class WeightStore:
             os.replace(tmp, final)
         except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
-            if isinstance(exc, OSError):
+            if isinstance(exc, OSError | SafetensorError):
                 raise OSError(
-                    exc.errno,
-                    f"cannot write offloaded weights to {folder}: {exc.strerror}; free space there or "
-                    "choose another offload_folder",
+                    getattr(exc, "errno", None),
+                    f"cannot write offloaded weights to {folder}: {getattr(exc, 'strerror', None) or exc}; "
+                    "free space there or choose another offload_folder",
                 ) from exc
             raise
         slices = read_header(final)
