@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+TIMELINE_ENV, TRACE_ENV = "FXOFFLOAD_BENCH_TIMELINE", "FXOFFLOAD_BENCH_TRACE"
 MODES = ("eager", "fxoffload", "accelerate")
 MiB = 2**20
 MARK = "BENCH "  # prefix of the child's JSON lines on stdout
@@ -262,7 +263,12 @@ def child_run(mode: str, model_dir: Path, budget: int, new_tokens: int) -> None:
         sampler.reset()
         measure_start = proc_status()
         emit({"event": "phase", "phase": "measure", "t": time.time()})
-        with torch.no_grad():
+        recording = contextlib.nullcontext([])
+        if engine is not None and (os.environ.get(TIMELINE_ENV) or os.environ.get(TRACE_ENV)):
+            from fxoffload_hf.timeline import record_timeline
+
+            recording = record_timeline(model)
+        with torch.no_grad(), recording as events:
             start = time.perf_counter()
             model(input_ids=ids, attention_mask=mask)
             prefill_s = time.perf_counter() - start
@@ -272,6 +278,15 @@ def child_run(mode: str, model_dir: Path, budget: int, new_tokens: int) -> None:
                 ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, logits_processor=[clock], **gen
             )
             generate_s = time.perf_counter() - start
+        if events:
+            from fxoffload_hf.timeline import plot_timeline, write_chrome_trace
+
+            if os.environ.get(TIMELINE_ENV):
+                plot_timeline(
+                    events, os.environ[TIMELINE_ENV], title="fxoffload_hf bench: prefill + generate"
+                )
+            if os.environ.get(TRACE_ENV):
+                write_chrome_trace(events, os.environ[TRACE_ENV])
         sampler.stop()
         end = proc_status()
         result: dict[str, Any] = {
@@ -689,6 +704,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--wait-idle", type=float, default=300.0, help="before each run, wait up to this long for idle CPUs"
     )
     parser.add_argument("--out", type=Path, default=Path("bench_results/bench_cpu_offload.json"))
+    parser.add_argument(
+        "--timeline", default=None, help="PNG of fxoffload's copy and compute per piece (no limit)"
+    )
+    parser.add_argument("--trace", default=None, help="the same as a Chrome trace (JSON) for Perfetto")
     parser.add_argument("--child", choices=(*MODES, "build", "baseline"), help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -740,6 +759,10 @@ def main(argv: list[str] | None = None) -> int:
         f"prompt {PROMPT_TOKENS} tokens, greedy, {args.new_tokens} new tokens (warm-up {WARMUP_TOKENS})",
         flush=True,
     )
+    if args.timeline:
+        os.environ[TIMELINE_ENV] = str(Path(args.timeline).resolve())
+    if args.trace:
+        os.environ[TRACE_ENV] = str(Path(args.trace).resolve())
     child_args = [
         "--model-dir",
         str(args.model_dir),
@@ -784,6 +807,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipping the runs under a memory limit: {why_not}")
         report["limited_skipped"] = why_not
     else:
+        os.environ.pop(TIMELINE_ENV, None)  # pictures are of the run without a limit
+        os.environ.pop(TRACE_ENV, None)
         base = run_child(["--child", "baseline"], 300, logs / "baseline.log").result
         if base is None:
             print("the baseline child failed; skipping the runs under a memory limit", file=sys.stderr)

@@ -372,28 +372,12 @@ def test_refusal_at_the_first_call_is_a_value_error():
         fxoffload_hf.restore(model)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="README says a budget that cannot work is refused up front 'with the smallest budget that "
-    "would'; the number offload() names leaves out activations (its message says 'plus room for "
-    "activations'), so that budget is refused again at the first call",
-)
-def test_budget_named_up_front_works():
-    model, up_front = _llama_and_up_front_smallest()
-    expected = _logits(model, example_input("llama"))
-    fxoffload_hf.offload(model, gpu_memory=up_front, device="cpu")
-    try:
-        assert torch.equal(_logits(model, example_input("llama")), expected)
-    finally:
-        fxoffload_hf.restore(model)
-
-
 def test_budget_named_at_the_first_call_is_the_smallest_that_works():
     model, up_front = _llama_and_up_front_smallest()
     expected = _logits(model, example_input("llama"))
     fxoffload_hf.offload(model, gpu_memory=up_front, device="cpu")
     try:
-        with pytest.raises(Exception) as info:  # noqa: B017 - its type is pinned by an xfail above
+        with pytest.raises(Exception) as info:  # noqa: B017 - its type is test_refusal_at_the_first_call_is_a_value_error's
             _logits(model, example_input("llama"))
     finally:
         fxoffload_hf.restore(model)
