@@ -103,6 +103,14 @@ class TraceEvent:
     timing: PieceTiming
 
 
+def _drop_meta(split: fx.GraphModule) -> None:
+    """Free the fake example values the split graphs carry: running them needs none."""
+    for module in [split, *split.children()]:
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                node.meta = {}
+
+
 def _result(pending: Future[LoadedPiece]) -> LoadedPiece:
     """Wait for a read, waking often enough that Ctrl-C is not held up until the read ends."""
     while True:
@@ -134,10 +142,16 @@ class GraphExecutor:
         self.activation_bytes = activation_peak(gm.graph, set(weight_bytes))
         self.partition: Partition = engine.partition(gm.graph, weight_bytes, self.activation_bytes)
         self.split = self._split(gm)
-        self.steps, self.piece_weights = self._build_steps(placeholders)
-        self.piece_names = [tuple(names[w] for w in ws) for ws in self.piece_weights]
-        self.piece_bytes = [sum(weight_bytes[w] for w in ws) for ws in self.piece_weights]
+        steps, piece_weights = self._build_steps(placeholders)
+        self.steps = steps
+        self.piece_names = [tuple(names[w] for w in ws) for ws in piece_weights]
+        self.piece_bytes = [sum(weight_bytes[w] for w in ws) for ws in piece_weights]
+        # at run time weights are found by argument position: keep no reference to the captured graph
+        self.piece_weight_args = [[self.weight_args[w] for w in ws] for ws in piece_weights]
         self.weight_sizes = {names[w]: weight_bytes[w] for w in weight_bytes}
+        self.partition.forget_nodes()
+        del self.weight_args
+        _drop_meta(self.split)
         self.timings: list[PieceTiming] = []
         self._call: Callable[[tuple[Any, ...]], Any] = self._profiled_call
         self.index = len(engine.executors)
@@ -157,7 +171,7 @@ class GraphExecutor:
         self.arg_index = {n: i for i, n in enumerate(top_placeholders)}
         weight_top = {n for n in top_placeholders if original.get(n.name) in self.weight_args}
         self.weight_top = weight_top
-        self.top_to_original = {n: original[n.name] for n in weight_top}
+        self.weight_positions = {n: self.arg_index[n] for n in weight_top}
         last_use: dict[fx.Node, fx.Node] = {}
         for node in self.split.graph.nodes:
             for dep in node._input_nodes:
@@ -188,14 +202,15 @@ class GraphExecutor:
     def __call__(self, *args: Any) -> Any:
         return self._call(args)
 
-    def _record(self, args: tuple[Any, ...], placeholder: fx.Node) -> WeightRecord:
-        """The stored weight whose ghost was passed for ``placeholder`` in this call."""
-        handle = handle_of(args[self.weight_args[placeholder]])
+    @staticmethod
+    def _record(args: tuple[Any, ...], position: int) -> WeightRecord:
+        """The stored weight whose ghost was passed at ``position`` in this call."""
+        handle = handle_of(args[position])
         assert handle is not None, "a weight argument lost its ghost handle"
         return handle.record
 
     def _records(self, args: tuple[Any, ...], piece: int) -> list[WeightRecord]:
-        return [self._record(args, w) for w in self.piece_weights[piece]]
+        return [self._record(args, i) for i in self.piece_weight_args[piece]]
 
     def _run(self, args: tuple[Any, ...], profile: bool) -> Any:
         engine = self.engine
@@ -204,7 +219,7 @@ class GraphExecutor:
         for node, index in self.arg_index.items():
             if node not in self.weight_top:
                 env[node] = args[index]
-        pieces = len(self.piece_weights)
+        pieces = len(self.piece_weight_args)
         pending: Future[LoadedPiece] | None = copy.submit(self._records(args, 0), 0) if pieces else None
         wait_seconds = 0.0
         try:
@@ -221,7 +236,7 @@ class GraphExecutor:
                         pending = copy.submit(self._records(args, step.piece + 1), (step.piece + 1) % 2)
                     call_args = [
                         (
-                            weights[self._record(args, self.top_to_original[a]).name]
+                            weights[self._record(args, self.weight_positions[a]).name]
                             if a in self.weight_top
                             else env[a]
                         )

@@ -88,6 +88,11 @@ class Partition:
     largest_atom_bytes: int
     work: int
 
+    def forget_nodes(self) -> None:
+        """Drop the graph's nodes (kept: sizes and budgets), so the captured graph can be freed."""
+        for piece in self.pieces:
+            piece.nodes, piece.weights = [], []
+
     def piece_of(self) -> dict[fx.Node, int]:
         return {node: piece.index for piece in self.pieces for node in piece.nodes}
 
