@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +42,7 @@ class _OffloadState:
     moved_params: list[tuple[nn.Module, str, nn.Parameter]]
     entries: list[tuple[nn.Module, str, bool, Any]]  # module, method name, had own attribute, old value
     hooks: list[Any] = field(default_factory=list)
-    temp_folder: Path | None = None
+    temp_folder: Path | None = None  # a folder an integration made for this model, removed by restore
 
 
 def offload(
@@ -130,7 +129,6 @@ def offload(
                 module._buffers[bname] = buf.to(config.device)
             fixed += tensor_nbytes(buf)
 
-    temp_folder = None
     state = _OffloadState(Engine(config, store, fixed), [], moved_buffers, moved_params, [])
     try:
         for param, uses, name in large:
@@ -144,13 +142,9 @@ def offload(
         host_names = [n for n, r in store.records.items() if r.host is not None]
         host_bytes = sum(store.records[n].nbytes for n in host_names)
         if config.cpu_memory is not None and host_bytes > config.cpu_memory - fixed:
-            folder = config.offload_folder
-            if folder is None:
-                folder = temp_folder = Path(tempfile.mkdtemp(prefix="fxoffload-"))
-            store.spill_to_disk(host_names, folder)
+            store.spill_to_disk(host_names, store.spill_folder(config.offload_folder))
         if config.device.type == "cuda":
             store.pin_host_memory()
-        state.temp_folder = temp_folder
         for param, uses, name in large:
             record = store.records[name]
             ghost = make_ghost(param.shape, param.dtype, config.device)
@@ -159,7 +153,9 @@ def offload(
                 state.params.append((module, attr, param, name))
                 module._parameters[attr] = ghost
             shares_host = record.host is not None and record.host.data_ptr() == param.data_ptr()
-            if not shares_host and param.device.type != "meta":
+            if shares_host:
+                store.sharers.setdefault(name, []).append(param)
+            elif param.device.type != "meta":
                 param.data = torch.empty(0, dtype=param.dtype)  # the store holds the only copy
         for module in {m for m, *_ in state.params}:
             state.hooks.append(module.register_forward_pre_hook(guard_hook))
@@ -172,8 +168,6 @@ def offload(
             _wrap_entry(model, entry, state)
     except BaseException:
         _undo(model, state)
-        if temp_folder is not None:
-            shutil.rmtree(temp_folder, ignore_errors=True)
         raise
     setattr(model, STATE_ATTR, state)
     return model

@@ -152,7 +152,19 @@ class Engine:
     def register(self, executor: GraphExecutor) -> None:
         self.executors.append(executor)
         self.stats.graphs = len(self.executors)
+        self._make_room_for_activations(executor.activation_bytes)
         self._reserve_arena()
+
+    def _make_room_for_activations(self, activation_bytes: int) -> None:
+        """On the CPU, weights kept whole in RAM at offload time (activations unknown then) go to disk
+        once a graph shows they leave no room for its activations; the schedule brings back what fits."""
+        limit = self.config.cpu_memory
+        if self.device.type != "cpu" or limit is None:
+            return
+        in_ram = [n for n, r in self.store.records.items() if r.host is not None]
+        held = sum(self.store.records[n].nbytes for n in in_ram)
+        if in_ram and self.fixed_bytes + held + activation_bytes > limit:
+            self.store.spill_to_disk(in_ram, self.store.spill_folder(self.config.offload_folder))
 
     def schedule(self, executor: GraphExecutor) -> None:
         """Re-plan residency from a fresh profile: unhidden copies first, within the budget."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import os
+import shutil
 import tempfile
 import threading
 import uuid
@@ -70,6 +71,9 @@ class WeightStore:
         self.device = device
         self.records: dict[str, WeightRecord] = {}
         self._spilled_files: list[Path] = []
+        self._temp_folder: Path | None = None
+        # the model's own parameters that share a host tensor's memory: emptied when it is spilled
+        self.sharers: dict[str, list[torch.Tensor]] = {}
         self._registered: list[torch.UntypedStorage] = []
         self._lock = threading.Lock()
 
@@ -97,6 +101,14 @@ class WeightStore:
         self.records[name].aliases.append(alias)
 
     # -- tiers ----------------------------------------------------------------------------------
+    def spill_folder(self, configured: Path | None) -> Path:
+        """Where spilled weights go: the configured ``offload_folder``, else a temporary folder of ours."""
+        if configured is not None:
+            return configured
+        if self._temp_folder is None:
+            self._temp_folder = Path(tempfile.mkdtemp(prefix="fxoffload-"))
+        return self._temp_folder
+
     def spill_to_disk(self, names: list[str], folder: Path) -> Path | None:
         """Write the host tensors of ``names`` once to ``folder`` (atomically) and drop them from RAM.
 
@@ -130,6 +142,8 @@ class WeightStore:
             record.host = None
             if self.device.type == "cpu":
                 record.resident = None
+            for sharer in self.sharers.pop(name, []):
+                sharer.data = torch.empty(0, dtype=sharer.dtype)
         self._spilled_files.append(final)
         return final
 
@@ -228,6 +242,9 @@ class WeightStore:
         for path in self._spilled_files:
             path.unlink(missing_ok=True)
         self._spilled_files.clear()
+        if self._temp_folder is not None:
+            shutil.rmtree(self._temp_folder, ignore_errors=True)
+            self._temp_folder = None
 
 
 def as_typed(buffer: torch.Tensor, source: TensorSlice) -> torch.Tensor:

@@ -166,10 +166,6 @@ def check_engine_bookkeeping(engine, budget: int) -> dict[str, int]:
         "activations": max(e.activation_bytes for e in engine.executors),
         "fixed": engine.fixed_bytes,
     }
-    if engine.budget_name == "cpu_memory" and engine.store.bytes_in(Tier.DISK) == 0:
-        # Known bug: with every weight left in RAM under cpu_memory, activations are not counted
-        # (test_reliability.py::test_cpu_memory_counts_activations_when_weights_stay_in_ram).
-        held["activations"] = 0
     assert sum(held.values()) <= budget, (held, budget)
     return held
 

@@ -429,12 +429,6 @@ def test_arena_shrinks_when_pieces_become_resident(tmp_path):
         fxoffload_hf.restore(model)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: api.offload keeps every weight in RAM when weights + small tensors fit cpu_memory, "
-    "without room for activations (unknown then); nothing spills later, so the engine holds up to the "
-    "activation peak more than cpu_memory",
-)
 def test_cpu_memory_counts_activations_when_weights_stay_in_ram(tmp_path):
     model = _mlp(256, 4)
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
