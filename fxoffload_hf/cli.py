@@ -30,13 +30,9 @@ class _PeakSampler:
 
     @staticmethod
     def read() -> dict[str, int]:
-        out = {}
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                key, value = line.split(":", 1)
-                if key in ("RssAnon", "RssFile"):
-                    out[key] = int(value.split()[0]) * 1024
-        return out
+        from fxoffload_hf.memory import process_status
+
+        return process_status(("RssAnon", "RssFile"))
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -7,7 +7,7 @@ the single source of truth for the budget every graph of the model shares.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import fx
@@ -35,7 +35,6 @@ class Stats:
     copy_seconds: float = 0.0
     wait_seconds: float = 0.0
     graphs: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def add_piece(self, streamed: int, seconds: float) -> None:
         self.pieces_run += 1

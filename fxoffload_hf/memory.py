@@ -53,12 +53,15 @@ def tensor_nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def process_memory() -> dict[str, int]:
-    """Resident private (anonymous) and file-backed bytes of this process, from ``/proc``."""
-    info = psutil.Process().memory_full_info()
-    private = getattr(info, "uss", info.rss)
-    shared = getattr(info, "shared", 0)
-    return {"rss": int(info.rss), "private": int(private), "file_backed": int(shared)}
+def process_status(keys: tuple[str, ...] = ("VmRSS", "VmHWM", "RssAnon", "RssFile")) -> dict[str, int]:
+    """Memory lines of ``/proc/self/status`` in bytes: resident, its peak, private and file-backed."""
+    out = {}
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            key, _, value = line.partition(":")
+            if key in keys:
+                out[key] = int(value.split()[0]) * 1024
+    return out
 
 
 def format_bytes(nbytes: int | float | None) -> str:

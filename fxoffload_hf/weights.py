@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from fxoffload_hf.memory import format_bytes
-from fxoffload_hf.safetensors_io import CheckpointError, TensorSlice, read_header, read_into
+from fxoffload_hf.safetensors_io import TensorSlice, read_header, read_into
 
 
 class Tier(enum.StrEnum):
@@ -212,20 +212,6 @@ class WeightStore:
     @property
     def total_bytes(self) -> int:
         return sum(r.nbytes for r in self.records.values())
-
-    def check_sources(self) -> None:
-        """Re-read the headers of every file the disk tier uses; raise ``CheckpointError`` naming any bad one."""
-        paths = {r.disk.path for r in self.records.values() if r.disk is not None}
-        for path in sorted(paths):
-            slices = read_header(path)
-            for record in self.records.values():
-                if record.disk is not None and record.disk.path == path:
-                    now = slices.get(record.disk.key)
-                    if now is None or now.offset != record.disk.offset or now.nbytes != record.disk.nbytes:
-                        raise CheckpointError(
-                            f"{path}: tensor {record.disk.key!r} changed since the model was loaded; "
-                            "restore the original file or load the model again"
-                        )
 
     def summary(self) -> str:
         parts = [f"{t.value} {format_bytes(self.bytes_in(t))}" for t in Tier]

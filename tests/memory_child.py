@@ -10,16 +10,7 @@ import sys
 import torch
 
 import fxoffload_hf
-
-
-def status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            key, value = line.split(":", 1)
-            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
+from fxoffload_hf.memory import process_status as status
 
 
 def main() -> None:
