@@ -96,6 +96,7 @@ def run_generation(
         result["store"] = engine.store.summary()
         result["pieces"] = [len(e.piece_bytes) for e in engine.executors]
         result["arena_bytes"] = engine.copy.arena.capacity
+        result["in_flight_bytes"] = engine.copy.in_flight_bytes
     return result
 
 

@@ -182,22 +182,27 @@ class Engine:
         self._reserve_arena()
 
     def _reserve_arena(self) -> None:
-        """Size the staging arena for the disk-tier bytes of consecutive pieces of every graph."""
-        need = 0
+        """Size the staging arena for the bytes of consecutive pieces of every graph that pass through it,
+        and note what two consecutive streamed pieces hold in all (arena or mapped pages)."""
+        staged, in_flight = 0, 0
         for executor in self.executors:
-            disk = [
-                piece_arena_bytes(
-                    [
-                        r.disk.nbytes
-                        for r in (self.store.records[n] for n in names)
-                        if r.resident is None and r.host is None and r.disk is not None
-                    ]
-                )
-                for names in executor.piece_names
+            records = [[self.store.records[n] for n in names] for names in executor.piece_names]
+            staged_pieces = [
+                piece_arena_bytes([r.disk.nbytes for r in piece if r.disk and self.copy.needs_staging(r)])
+                for piece in records
             ]
-            if any(disk):
-                need = max(need, arena_bytes(disk))
-        self.copy.arena.resize(need)
+            streamed_pieces = [
+                piece_arena_bytes(
+                    [r.disk.nbytes for r in piece if r.disk and r.resident is None and r.host is None]
+                )
+                for piece in records
+            ]
+            if any(staged_pieces):
+                staged = max(staged, arena_bytes(staged_pieces))
+            if any(streamed_pieces):
+                in_flight = max(in_flight, arena_bytes(streamed_pieces))
+        self.copy.arena.resize(staged)
+        self.copy.in_flight_bytes = in_flight
 
     def close(self) -> None:
         self.copy.close()

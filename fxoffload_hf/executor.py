@@ -145,6 +145,7 @@ class GraphExecutor:
         steps, piece_weights = self._build_steps(placeholders)
         self.steps = steps
         self.piece_names = [tuple(names[w] for w in ws) for ws in piece_weights]
+        self.next_piece_names = [frozenset(n) for n in self.piece_names[1:]] + [frozenset()]
         self.piece_bytes = [sum(weight_bytes[w] for w in ws) for ws in piece_weights]
         # at run time weights are found by argument position: keep no reference to the captured graph
         self.piece_weight_args = [[self.weight_args[w] for w in ws] for ws in piece_weights]
@@ -251,7 +252,9 @@ class GraphExecutor:
                         raise PieceError(
                             f"piece {step.piece} ({step.node.target}) of a graph offloaded by fxoffload_hf failed: {exc}"
                         ) from exc
-                    del call_args
+                    finally:
+                        del call_args
+                        copy.release(loaded, keep=self.next_piece_names[step.piece])
                     if profile and engine.device.type == "cuda":
                         torch.cuda.synchronize(engine.device)
                     end = time.perf_counter()

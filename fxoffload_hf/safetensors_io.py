@@ -133,7 +133,9 @@ def _read_run(slices: list[TensorSlice], buffers: list[torch.Tensor], drop_cache
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found; restore the missing shard") from None
     try:
-        _check_unchanged(fd, slices)
+        stat = os.fstat(fd)
+        if (stat.st_ino, stat.st_size, stat.st_mtime_ns) != slices[0].signature:
+            check_unchanged(path, slices)
         views = [memoryview(b.numpy()) for b in buffers]  # type: ignore[arg-type]
         done = 0
         while done < total:
@@ -150,12 +152,13 @@ def _read_run(slices: list[TensorSlice], buffers: list[torch.Tensor], drop_cache
         os.close(fd)
 
 
-def _check_unchanged(fd: int, slices: list[TensorSlice]) -> None:
-    """Raise if the file was replaced since it was indexed and its tensors no longer lie where they did."""
-    stat = os.fstat(fd)
-    if (stat.st_ino, stat.st_size, stat.st_mtime_ns) == slices[0].signature:
-        return
-    now = read_header(slices[0].path)
+def check_unchanged(path: Path, slices: list[TensorSlice]) -> None:
+    """Raise if ``path`` changed since it was indexed so that its tensors no longer lie where they did.
+
+    Raises:
+        CheckpointError: a tensor moved, changed shape or dtype, or is gone, or the file is corrupt now.
+    """
+    now = read_header(path)
     for old in slices:
         new = now.get(old.key)
         if new is None or (new.offset, new.nbytes, new.dtype, new.shape) != (

@@ -1,7 +1,9 @@
 """The copy engine: brings a piece's weights to the compute device while the piece before computes.
 
-- CPU device: host-tier weights are used in place (no copy); disk-tier weights are read by a read-ahead
-  thread straight into a staging arena (``os.preadv``, page cache dropped after the read).
+- CPU device: host-tier weights are used in place (no copy); disk-tier weights are used in place too,
+  as views of the checkpoint's mapped pages that the read-ahead thread faults in and that are unmapped
+  after their piece ran (``mapped_io``). Only weights that must change dtype as they stream are read
+  into a staging arena (``os.preadv``) and converted.
 - CUDA device: host-tier weights (pinned) are copied on a side stream ordered by events, with
   ``record_stream`` so the caching allocator never reuses memory a copy or kernel still uses; disk-tier
   weights pass through a pinned staging arena first.
@@ -13,15 +15,17 @@ back, so two consecutive pieces never overlap as long as their sizes add up to i
 from __future__ import annotations
 
 import time
+from collections.abc import Container
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map_only
 
+from fxoffload_hf.mapped_io import MappedFiles, can_map
 from fxoffload_hf.memory import memory_limit
-from fxoffload_hf.safetensors_io import read_into
+from fxoffload_hf.safetensors_io import TensorSlice, read_into
 from fxoffload_hf.weights import WeightRecord, as_typed
 
 _ALIGN = 64
@@ -40,6 +44,7 @@ class LoadedPiece:
     seconds: float
     streamed_bytes: int
     event: torch.cuda.Event | None = None
+    mapped: dict[str, tuple[torch.Tensor, TensorSlice]] = field(default_factory=dict)
 
 
 class StagingArena:
@@ -100,6 +105,15 @@ class CopyEngine:
         # Under a memory limit the page cache is charged to us: drop what we read. Without one it is the
         # kernel's reclaimable cache, and re-reads of streamed weights come from RAM instead of the disk.
         self.drop_cache = memory_limit() is not None
+        self.files = MappedFiles()
+        # bytes two consecutive streamed pieces take (arena or mapped pages): set by the engine's plan
+        self.in_flight_bytes = 0
+
+    def needs_staging(self, record: WeightRecord) -> bool:
+        """Whether streaming ``record`` goes through the staging arena (else it is used in place)."""
+        if record.resident is not None or record.host is not None or record.disk is None:
+            return False
+        return self.is_cuda or not can_map(record.disk, record.dtype)
 
     def submit(self, records: list[WeightRecord], side: int) -> Future[LoadedPiece]:
         """Start bringing ``records`` to the device; the future resolves once they can be used."""
@@ -108,8 +122,16 @@ class CopyEngine:
     def _load(self, records: list[WeightRecord], side: int) -> LoadedPiece:
         start = time.perf_counter()
         tensors: dict[str, torch.Tensor] = {}
-        from_disk = [r for r in records if r.resident is None and r.host is None]
-        streamed = 0
+        from_disk = [r for r in records if self.needs_staging(r)]
+        mapped = {
+            r.name: (self.files.view(r.disk), r.disk)
+            for r in records
+            if r.resident is None and r.host is None and r.disk is not None and not self.needs_staging(r)
+        }
+        streamed = sum(source.nbytes for _, source in mapped.values())
+        if mapped:
+            self.files.populate([view for view, _ in mapped.values()])
+            tensors.update({name: view for name, (view, _) in mapped.items()})
         if from_disk:
             sources = [r.disk for r in from_disk]
             views = self.arena.layout([s.nbytes for s in sources if s is not None], side)
@@ -128,7 +150,13 @@ class CopyEngine:
         event = None
         if self.is_cuda:
             tensors, event = self._to_device(tensors)
-        return LoadedPiece(tensors, start, time.perf_counter() - start, streamed, event)
+        return LoadedPiece(tensors, start, time.perf_counter() - start, streamed, event, mapped)
+
+    def release(self, piece: LoadedPiece, keep: Container[str] = ()) -> None:
+        """Unmap the mapped weights of a piece that ran, except those in ``keep`` (the next piece's)."""
+        done = [pair for name, pair in piece.mapped.items() if name not in keep]
+        if done:
+            self.files.release([v for v, _ in done], [s for _, s in done], self.drop_cache)
 
     def _to_device(
         self, tensors: dict[str, torch.Tensor]
@@ -168,3 +196,4 @@ class CopyEngine:
     def close(self) -> None:
         self._reader.shutdown(wait=True, cancel_futures=True)
         self.arena.release()
+        self.files.close()

@@ -159,10 +159,11 @@ def check_engine_bookkeeping(engine, budget: int) -> dict[str, int]:
     else:
         # gpu_memory on the CPU sizes pieces "as if" for a device: only weights brought in and kept count
         resident = sum(r.nbytes for r in records if r.resident is not None and r.host is None)
-    assert engine.copy.arena.capacity >= _planned_arena(engine), "the arena cannot hold the streamed pieces"
+    assert engine.copy.in_flight_bytes >= _planned_arena(engine), "two streamed pieces are not counted"
+    assert engine.copy.arena.capacity <= engine.copy.in_flight_bytes
     held = {
         "resident": resident,
-        "arena": engine.copy.arena.capacity,
+        "in_flight": engine.copy.in_flight_bytes,
         "activations": max(e.activation_bytes for e in engine.executors),
         "fixed": engine.fixed_bytes,
     }

@@ -400,7 +400,7 @@ def _held_bytes(engine) -> dict[str, int]:
     records = engine.store.records.values()
     return {
         "weights": sum(r.nbytes for r in records if r.host is not None or r.resident is not None),
-        "arena": engine.copy.arena.capacity,
+        "in_flight": engine.copy.in_flight_bytes,
         "activations": max(e.activation_bytes for e in engine.executors),
         "fixed": engine.fixed_bytes,
     }
