@@ -177,8 +177,13 @@ class Engine:
         }
         for name in streamable - wanted:
             self.store.evict(name)
+            self.copy.unkeep(name)
         for name in wanted & streamable:
-            self.store.make_resident(name)
+            record = self.store.records[name]
+            if record.resident is None and record.host is None and self.copy.used_in_place(record):
+                record.resident = self.copy.keep_mapped(record)  # on the CPU: its file's pages, kept
+            else:
+                self.store.make_resident(name)
         self._reserve_arena()
 
     def _reserve_arena(self) -> None:

@@ -4,7 +4,7 @@ On the CPU a streamed weight needs no copy at all: a private, read-only-in-effec
 (``MAP_PRIVATE``) of the safetensors file gives a tensor over the page cache. The read-ahead thread
 faults a piece's pages in (``MADV_POPULATE_READ``, which also reads them from disk when they are not
 cached) while the piece before computes; after the piece ran its pages are unmapped
-(``MADV_DONTNEED``), so the process holds the bytes of the pieces in flight and no more. Under a memory
+(``MADV_DONTNEED``, on the read-ahead thread too), so the process holds the bytes of the pieces in flight and no more. Under a memory
 limit the pages are also dropped from the page cache, which is charged to the process.
 
 A ``MAP_PRIVATE`` mapping never writes to the file: the checkpoint is never modified.
@@ -26,6 +26,7 @@ from fxoffload_hf.safetensors_io import CheckpointError, TensorSlice, check_unch
 _MADV_DONTNEED = 4
 _MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels get MADV_WILLNEED (asynchronous read-ahead)
 _MADV_WILLNEED = 3
+_MADV_HUGEPAGE = 14
 _PAGE = mmap.PAGESIZE
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -65,15 +66,26 @@ class MappedFiles:
         raw = mapping.view[source.offset : source.offset + source.nbytes]
         return raw.view(source.dtype).view(source.shape)
 
+    def check(self, source: TensorSlice) -> os.stat_result:
+        """Raise if ``source``'s file is gone or changed so that the tensor no longer lies where it did.
+
+        A file truncated under a mapping faults (SIGBUS) when the lost pages are touched: every use of a
+        mapped weight is checked first.
+
+        Raises:
+            CheckpointError: as for ``check_unchanged``.
+        """
+        try:
+            stat = os.stat(source.path)
+        except FileNotFoundError:
+            raise CheckpointError(f"{source.path}: file not found; restore the missing shard") from None
+        if (stat.st_ino, stat.st_size, stat.st_mtime_ns) != source.signature:
+            check_unchanged(source.path, [source])
+        return stat
+
     def _mapping(self, source: TensorSlice) -> _Mapping:
         path = source.path
-        try:
-            stat = os.stat(path)
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: file not found; restore the missing shard") from None
-        # a file changed under the mapping would fault (SIGBUS past a truncation): check before use
-        if (stat.st_ino, stat.st_size, stat.st_mtime_ns) != source.signature:
-            check_unchanged(path, [source])
+        stat = self.check(source)
         with self._lock:
             mapping = self._maps.get(path)
             if mapping is not None and mapping.inode != stat.st_ino:
@@ -93,7 +105,11 @@ class MappedFiles:
             os.close(fd)
             raise
         # the tensor keeps the mapping alive for as long as any view of it exists
-        return _Mapping(fd, torch.frombuffer(region, dtype=torch.uint8), inode)
+        view = torch.frombuffer(region, dtype=torch.uint8)
+        # ask for 2 MiB folios: read from disk in large units, mapped and unmapped a page table at a time
+        # (about twenty times less work per piece than 4 KiB pages); a hint, ignored where unsupported
+        _madvise(view.data_ptr(), view.numel(), _MADV_HUGEPAGE)
+        return _Mapping(fd, view, inode)
 
     def populate(self, tensors: list[torch.Tensor]) -> None:
         """Fault the pages of ``tensors`` in, reading them from disk if needed (blocks; releases the GIL)."""

@@ -173,6 +173,19 @@ def check_unchanged(path: Path, slices: list[TensorSlice]) -> None:
             )
 
 
+def drop_cached_pages(paths: list[Path]) -> None:
+    """Ask the kernel to drop the page cache of ``paths`` (clean pages only; nothing is lost)."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def _skip(views: list[memoryview], count: int) -> list[memoryview]:
     out = []
     for view in views:

@@ -106,8 +106,27 @@ class CopyEngine:
         # kernel's reclaimable cache, and re-reads of streamed weights come from RAM instead of the disk.
         self.drop_cache = memory_limit() is not None
         self.files = MappedFiles()
+        self.kept: dict[str, tuple[torch.Tensor, TensorSlice]] = {}  # resident weights used in place
         # bytes two consecutive streamed pieces take (arena or mapped pages): set by the engine's plan
         self.in_flight_bytes = 0
+
+    def used_in_place(self, record: WeightRecord) -> bool:
+        """Whether ``record`` streams as a view of its file's pages (the CPU, file dtype = compute dtype)."""
+        return not self.is_cuda and record.disk is not None and can_map(record.disk, record.dtype)
+
+    def keep_mapped(self, record: WeightRecord) -> torch.Tensor:
+        """Fault ``record``'s pages in and keep them mapped: a resident weight with no private copy."""
+        assert record.disk is not None
+        view = self.files.view(record.disk)
+        self.files.populate([view])
+        self.kept[record.name] = (view, record.disk)
+        return view
+
+    def unkeep(self, name: str) -> None:
+        """Unmap a weight kept by ``keep_mapped`` (no-op for others)."""
+        pair = self.kept.pop(name, None)
+        if pair is not None:
+            self.files.release([pair[0]], [pair[1]], self.drop_cache)
 
     def needs_staging(self, record: WeightRecord) -> bool:
         """Whether streaming ``record`` goes through the staging arena (else it is used in place)."""
@@ -143,6 +162,8 @@ class CopyEngine:
                 streamed += record.nbytes
         for record in records:
             if record.resident is not None:
+                if record.name in self.kept:
+                    self.files.check(self.kept[record.name][1])
                 tensors[record.name] = record.resident
             elif record.host is not None:
                 tensors[record.name] = record.host
@@ -156,7 +177,11 @@ class CopyEngine:
         """Unmap the mapped weights of a piece that ran, except those in ``keep`` (the next piece's)."""
         done = [pair for name, pair in piece.mapped.items() if name not in keep]
         if done:
-            self.files.release([v for v, _ in done], [s for _, s in done], self.drop_cache)
+            # on the read-ahead thread, off the compute path; queued before the next load, so at most two
+            # pieces are ever mapped
+            self._reader.submit(
+                self.files.release, [v for v, _ in done], [s for _, s in done], self.drop_cache
+            )
 
     def _to_device(
         self, tensors: dict[str, torch.Tensor]
@@ -196,4 +221,5 @@ class CopyEngine:
     def close(self) -> None:
         self._reader.shutdown(wait=True, cancel_futures=True)
         self.arena.release()
+        self.kept.clear()
         self.files.close()
