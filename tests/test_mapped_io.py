@@ -1,0 +1,161 @@
+"""Disk-tier weights used in place on the CPU: mapped views, faulting in, unmapping, changed files."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import fxoffload_hf
+from fxoffload_hf.mapped_io import MappedFiles, _page_ranges, can_map
+from fxoffload_hf.memory import process_status
+from fxoffload_hf.safetensors_io import CheckpointError, read_header
+from fxoffload_hf.weights import Tier
+
+MiB = 2**20
+
+
+def _rss_file() -> int:
+    return process_status()["RssFile"]
+
+
+@pytest.fixture
+def shard(tmp_path):
+    tensors = {
+        "big": torch.randn(8 * MiB // 4),  # 8 MiB of fp32
+        "small": torch.randn(3, 5),
+        "half": torch.randn(7, 9).to(torch.bfloat16),
+    }
+    path = tmp_path / "a.safetensors"
+    save_file(tensors, path)
+    return path, tensors
+
+
+def test_views_equal_the_saved_tensors_and_survive_release(shard):
+    path, tensors = shard
+    files = MappedFiles()
+    slices = read_header(path)
+    views = {k: files.view(s) for k, s in slices.items()}
+    files.populate(list(views.values()))
+    for key, view in views.items():
+        assert torch.equal(view, tensors[key])
+    files.release(list(views.values()), list(slices.values()), drop_cache=True)
+    for key, view in views.items():  # unmapped pages fault back in from the file
+        assert torch.equal(view, tensors[key])
+    files.close()
+
+
+def test_release_returns_the_mapped_pages(shard):
+    path, _ = shard
+    files = MappedFiles()
+    source = read_header(path)["big"]
+    view = files.view(source)
+    before = _rss_file()
+    files.populate([view])
+    mapped = _rss_file()
+    assert mapped - before >= 7 * MiB, (before, mapped)
+    files.release([view], [source], drop_cache=False)
+    assert _rss_file() - before < 3 * MiB
+    files.close()
+
+
+def test_writes_through_a_view_never_reach_the_file(shard):
+    path, tensors = shard
+    original = path.read_bytes()
+    files = MappedFiles()
+    view = files.view(read_header(path)["small"])
+    view.add_(1.0)  # a private mapping: copy-on-write, never written back
+    assert path.read_bytes() == original
+    files.close()
+
+
+def test_a_truncated_file_is_an_error_not_a_crash(shard):
+    path, _ = shard
+    files = MappedFiles()
+    source = read_header(path)["big"]
+    files.populate([files.view(source)])
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3])  # same inode, shorter: touching the lost pages would SIGBUS
+    with pytest.raises(CheckpointError, match="a.safetensors"):
+        files.view(source)
+    with pytest.raises(CheckpointError, match="a.safetensors"):
+        files.check(source)
+    files.close()
+
+
+def test_a_missing_file_is_named(shard):
+    path, _ = shard
+    files = MappedFiles()
+    source = read_header(path)["small"]
+    path.unlink()
+    with pytest.raises(CheckpointError, match="a.safetensors.*not found"):
+        files.view(source)
+
+
+def test_a_replaced_file_with_the_same_layout_is_mapped_afresh(shard, tmp_path):
+    path, tensors = shard
+    files = MappedFiles()
+    source = read_header(path)["small"]
+    assert torch.equal(files.view(source), tensors["small"])
+    changed = {k: v + 1 if k == "small" else v for k, v in tensors.items()}
+    time.sleep(0.01)
+    save_file(changed, tmp_path / "new.safetensors")
+    os.replace(tmp_path / "new.safetensors", path)  # a new inode at the same path
+    assert torch.equal(files.view(source), load_file(path)["small"])
+    files.close()
+
+
+def test_page_ranges_are_aligned_and_merged():
+    buffer = torch.empty(5 * 4096, dtype=torch.uint8)
+    base = buffer.data_ptr()
+    a, b, c = buffer[100:5000], buffer[5000:9000], buffer[4 * 4096 + 8 : 4 * 4096 + 16]
+    ranges = _page_ranges([c, a, b])
+    for start, length in ranges:
+        assert start % 4096 == 0
+    covered = [(s, s + n) for s, n in ranges]
+    for t in (a, b, c):
+        assert any(s <= t.data_ptr() and t.data_ptr() + t.numel() <= e for s, e in covered)
+    assert len(ranges) == 2  # a and b touch; c is pages away
+    assert ranges[0][0] <= base + 100
+
+
+def test_only_same_dtype_aligned_tensors_are_used_in_place(shard):
+    path, _ = shard
+    slices = read_header(path)
+    assert can_map(slices["big"], torch.float32)
+    assert not can_map(slices["big"], torch.bfloat16)  # converted as it streams: staged instead
+    assert can_map(slices["half"], torch.bfloat16)
+
+
+def test_cpu_streaming_uses_no_staging_copy_and_keeps_residents_mapped(tmp_path):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    eager = tf.LlamaForCausalLM(cfg).eval()
+    eager.save_pretrained(tmp_path / "ckpt")
+    ids = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = eager(ids).logits
+    total = sum(p.numel() * 4 for p in eager.parameters())
+    model = fxoffload_hf.from_pretrained(tmp_path / "ckpt", cpu_memory=int(total * 0.6), device="cpu")
+    try:
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(ids).logits, expected)
+        engine = fxoffload_hf.engine_of(model)
+        assert engine.copy.arena.capacity == 0  # every streamed weight is a view of its file
+        assert engine.store.bytes_in(Tier.DISK) > 0
+        assert engine.copy.kept, "the schedule kept no weight resident"
+        for name, (view, _) in engine.copy.kept.items():
+            record = engine.store.records[name]
+            assert record.resident is view and record.host is None  # no private copy
+        assert engine.stats.bytes_streamed > 0
+    finally:
+        fxoffload_hf.restore(model)
