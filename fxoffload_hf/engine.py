@@ -16,7 +16,7 @@ from fxoffload_hf.config import OffloadConfig
 from fxoffload_hf.executor import GraphExecutor, TraceEvent
 from fxoffload_hf.memory import format_bytes, return_large_frees_to_the_os
 from fxoffload_hf.partition import BudgetTooSmallError, Partition, partition_graph
-from fxoffload_hf.schedule import choose_resident
+from fxoffload_hf.schedule import PieceProfile, choose_distance, choose_resident, window_bytes
 from fxoffload_hf.transfer import CopyEngine, arena_bytes, piece_arena_bytes
 from fxoffload_hf.weights import WeightStore
 
@@ -185,6 +185,31 @@ class Engine:
             else:
                 self.store.make_resident(name)
         self._reserve_arena()
+        for profiled in self.executors:  # the resident set changed for every graph
+            if profiled.profile:
+                profiled.distance = self._prefetch_distance(profiled, budget - fixed)
+        self._reserve_arena()
+
+    def _prefetch_distance(self, executor: GraphExecutor, room: int) -> int:
+        """How far ahead to load this graph's pieces: from its profile, with what stays resident taken
+        out, in the room the resident weights leave."""
+        if self.copy.arena.capacity:
+            return 1
+        records = self.store.records
+        on_cpu = self.device.type == "cpu"
+        streamed_profiles = []
+        for profile in executor.profile:
+            streamed = {
+                w: b
+                for w, b in profile.weight_bytes.items()
+                if records[w].resident is None and (records[w].host is None or not on_cpu)
+            }
+            share = sum(streamed.values()) / max(profile.nbytes, 1)
+            streamed_profiles.append(
+                PieceProfile(tuple(streamed), streamed, profile.copy_seconds * share, profile.compute_seconds)
+            )
+            room -= profile.nbytes - sum(streamed.values())
+        return choose_distance(streamed_profiles, room)
 
     def _reserve_arena(self) -> None:
         """Size the staging arena for the bytes of consecutive pieces of every graph that pass through it,
@@ -205,7 +230,7 @@ class Engine:
             if any(staged_pieces):
                 staged = max(staged, arena_bytes(staged_pieces))
             if any(streamed_pieces):
-                in_flight = max(in_flight, arena_bytes(streamed_pieces))
+                in_flight = max(in_flight, window_bytes(streamed_pieces, executor.distance + 1))
         self.copy.arena.resize(staged)
         self.copy.in_flight_bytes = in_flight
 

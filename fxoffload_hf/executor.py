@@ -9,6 +9,7 @@ the engine's scheduler; later calls run the same steps without any mode flags.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
@@ -103,6 +104,26 @@ class TraceEvent:
     timing: PieceTiming
 
 
+_LOOKUPS = {
+    # op: position of the table among its arguments
+    torch.nn.functional.embedding: 1,
+    torch.embedding: 0,
+    torch.ops.aten.embedding.default: 0,
+}
+
+
+def _only_row_lookups(weight: fx.Node) -> bool:
+    """Whether the graph uses ``weight`` only as the table of embedding lookups (it reads some rows)."""
+    users = list(weight.users)
+    return bool(users) and all(
+        user.op == "call_function"
+        and user.target in _LOOKUPS
+        and len(user.args) > _LOOKUPS[user.target]
+        and user.args[_LOOKUPS[user.target]] is weight
+        for user in users
+    )
+
+
 def _drop_meta(split: fx.GraphModule) -> None:
     """Free the fake example values the split graphs carry: running them needs none."""
     for module in [split, *split.children()]:
@@ -140,12 +161,14 @@ class GraphExecutor:
             retarget_devices(gm.graph, traced_on, engine.device)
             gm.recompile()
         self.activation_bytes = activation_peak(gm.graph, set(weight_bytes))
+        self.lookups = frozenset(names[w] for w in weight_bytes if _only_row_lookups(w))
         self.partition: Partition = engine.partition(gm.graph, weight_bytes, self.activation_bytes)
         self.split = self._split(gm)
         steps, piece_weights = self._build_steps(placeholders)
         self.steps = steps
         self.piece_names = [tuple(names[w] for w in ws) for ws in piece_weights]
-        self.next_piece_names = [frozenset(n) for n in self.piece_names[1:]] + [frozenset()]
+        self.piece_name_sets = [frozenset(n) for n in self.piece_names]
+        self.distance = 1  # pieces loaded ahead of the one computing; the schedule may raise it
         self.piece_bytes = [sum(weight_bytes[w] for w in ws) for ws in piece_weights]
         # at run time weights are found by argument position: keep no reference to the captured graph
         self.piece_weight_args = [[self.weight_args[w] for w in ws] for ws in piece_weights]
@@ -154,6 +177,7 @@ class GraphExecutor:
         del self.weight_args
         _drop_meta(self.split)
         self.timings: list[PieceTiming] = []
+        self.profile: list[PieceProfile] = []
         self._call: Callable[[tuple[Any, ...]], Any] = self._profiled_call
         self.index = len(engine.executors)
         engine.register(self)
@@ -221,20 +245,29 @@ class GraphExecutor:
             if node not in self.weight_top:
                 env[node] = args[index]
         pieces = len(self.piece_weight_args)
-        pending: Future[LoadedPiece] | None = copy.submit(self._records(args, 0), 0) if pieces else None
+        # more than one piece ahead only where no piece is staged: the arena holds two pieces, not more
+        distance = self.distance if copy.arena.capacity == 0 else 1
+        ahead: deque[Future[LoadedPiece]] = deque()
+        submitted = 0
+
+        def load_ahead(upto: int) -> None:
+            nonlocal submitted
+            while submitted < min(upto, pieces):
+                ahead.append(copy.submit(self._records(args, submitted), submitted % 2, self.lookups))
+                submitted += 1
+
+        load_ahead(1)
         wait_seconds = 0.0
         try:
             for step in self.steps:
                 if step.piece is None:
                     env[step.node] = step.fn(*[env[a] if isinstance(a, fx.Node) else a for a in step.args])
                 else:
-                    assert pending is not None
                     waited = time.perf_counter()
-                    loaded = _result(pending)
+                    loaded = _result(ahead.popleft())
                     wait_seconds += time.perf_counter() - waited
                     weights = copy.ready(loaded)
-                    if step.piece + 1 < pieces:
-                        pending = copy.submit(self._records(args, step.piece + 1), (step.piece + 1) % 2)
+                    load_ahead(step.piece + 1 + distance)
                     call_args = [
                         (
                             weights[self._record(args, self.weight_positions[a]).name]
@@ -254,7 +287,7 @@ class GraphExecutor:
                         ) from exc
                     finally:
                         del call_args
-                        copy.release(loaded, keep=self.next_piece_names[step.piece])
+                        copy.release(loaded, keep=self._loaded_ahead(step.piece, distance))
                     if profile and engine.device.type == "cuda":
                         torch.cuda.synchronize(engine.device)
                     end = time.perf_counter()
@@ -276,12 +309,18 @@ class GraphExecutor:
                     env.pop(value, None)
         except BaseException:
             # leave the staging arena quiet: an unfinished read must not land in the next call's piece
-            if pending is not None:
-                wait([pending])
+            wait(ahead)
             raise
         engine.stats.add_call(wait_seconds)
         out = self.output_node.args[0]
         return fx.node.map_arg(out, lambda n: env[n] if n not in self.weight_top else args[self.arg_index[n]])
+
+    def _loaded_ahead(self, piece: int, distance: int) -> frozenset[str]:
+        """Weights of the pieces loaded ahead of ``piece``: they must stay when ``piece`` is released."""
+        following = self.piece_name_sets[piece + 1 : piece + 1 + distance]
+        if len(following) == 1:
+            return following[0]
+        return frozenset().union(*following)
 
     def _profiled_call(self, args: tuple[Any, ...]) -> Any:
         self.timings = []

@@ -1,4 +1,5 @@
-"""Which pieces' weights stay resident, from measured copy and compute times, within a byte budget."""
+"""From measured copy and compute times, within a byte budget: which pieces' weights stay resident, and how
+many pieces ahead the rest are loaded."""
 
 from __future__ import annotations
 
@@ -58,3 +59,47 @@ def choose_resident(profiles: list[PieceProfile], budget: int, fixed_bytes: int)
         if fixed_bytes + resident_bytes + arena_bytes(streamed) <= budget:
             resident = candidate
     return resident
+
+
+def simulated_seconds(profiles: list[PieceProfile], distance: int) -> float:
+    """Seconds one call takes when loads run ``distance`` pieces ahead of compute on one copy thread.
+
+    A piece's load starts once the one before it is loaded and, with at most ``distance + 1`` pieces
+    held, once the piece ``distance + 1`` places before it has computed; its compute starts once it is
+    loaded and the piece before it has computed.
+    """
+    loaded: list[float] = []
+    computed: list[float] = []
+    for index, profile in enumerate(profiles):
+        start = loaded[-1] if loaded else 0.0
+        if index > distance:
+            start = max(start, computed[index - distance - 1])
+        loaded.append(start + profile.copy_seconds)
+        computed.append(max(loaded[-1], computed[-1] if computed else 0.0) + profile.compute_seconds)
+    return computed[-1] if computed else 0.0
+
+
+def window_bytes(piece_bytes: list[int], width: int) -> int:
+    """The most bytes any ``width`` consecutive pieces hold together (the pieces in flight at once)."""
+    if not piece_bytes:
+        return 0
+    width = min(max(width, 1), len(piece_bytes))
+    total = best = sum(piece_bytes[:width])
+    for i in range(width, len(piece_bytes)):
+        total += piece_bytes[i] - piece_bytes[i - width]
+        best = max(best, total)
+    return best
+
+
+def choose_distance(profiles: list[PieceProfile], room: int, max_distance: int = 4) -> int:
+    """How many pieces ahead to load: the smallest distance with the shortest simulated call whose pieces in
+    flight (``distance + 1`` consecutive streamed pieces) fit in ``room`` bytes; at least 1."""
+    sizes = [piece_arena_bytes(list(p.weight_bytes.values())) for p in profiles]
+    best, best_seconds = 1, simulated_seconds(profiles, 1)
+    for distance in range(2, max_distance + 1):
+        if window_bytes(sizes, distance + 1) > room:
+            break
+        seconds = simulated_seconds(profiles, distance)
+        if seconds < best_seconds * 0.99:
+            best, best_seconds = distance, seconds
+    return best

@@ -134,11 +134,17 @@ class CopyEngine:
             return False
         return self.is_cuda or not can_map(record.disk, record.dtype)
 
-    def submit(self, records: list[WeightRecord], side: int) -> Future[LoadedPiece]:
-        """Start bringing ``records`` to the device; the future resolves once they can be used."""
-        return self._reader.submit(self._load, records, side)
+    def submit(
+        self, records: list[WeightRecord], side: int, lookups: Container[str] = ()
+    ) -> Future[LoadedPiece]:
+        """Start bringing ``records`` to the device; the future resolves once they can be used.
 
-    def _load(self, records: list[WeightRecord], side: int) -> LoadedPiece:
+        ``lookups`` names weights the graph only indexes rows of (embedding tables): used in place, their
+        pages are not faulted in ahead, so a lookup reads the rows it needs and not the whole table.
+        """
+        return self._reader.submit(self._load, records, side, lookups)
+
+    def _load(self, records: list[WeightRecord], side: int, lookups: Container[str] = ()) -> LoadedPiece:
         start = time.perf_counter()
         tensors: dict[str, torch.Tensor] = {}
         from_disk = [r for r in records if self.needs_staging(r)]
@@ -149,7 +155,7 @@ class CopyEngine:
         }
         streamed = sum(source.nbytes for _, source in mapped.values())
         if mapped:
-            self.files.populate([view for view, _ in mapped.values()])
+            self.files.populate([view for name, (view, _) in mapped.items() if name not in lookups])
             tensors.update({name: view for name, (view, _) in mapped.items()})
         if from_disk:
             sources = [r.disk for r in from_disk]

@@ -113,8 +113,7 @@ def test_page_ranges_are_aligned_and_merged():
     base = buffer.data_ptr()
     a, b, c = buffer[100:5000], buffer[5000:9000], buffer[4 * 4096 + 8 : 4 * 4096 + 16]
     ranges = _page_ranges([c, a, b])
-    for start, length in ranges:
-        assert start % 4096 == 0
+    assert all(start % 4096 == 0 for start, _ in ranges)
     covered = [(s, s + n) for s, n in ranges]
     for t in (a, b, c):
         assert any(s <= t.data_ptr() and t.data_ptr() + t.numel() <= e for s, e in covered)
@@ -157,5 +156,20 @@ def test_cpu_streaming_uses_no_staging_copy_and_keeps_residents_mapped(tmp_path)
             record = engine.store.records[name]
             assert record.resident is view and record.host is None  # no private copy
         assert engine.stats.bytes_streamed > 0
+        # the embedding table is only indexed: its rows are read by the lookup, never faulted in whole
+        lookups = set().union(*(e.lookups for e in engine.executors))
+        assert lookups == {"model.embed_tokens.weight"}
+        populated: list[int] = []
+        populate = engine.copy.files.populate
+        engine.copy.files.populate = lambda views: (
+            populated.extend(v.data_ptr() for v in views),
+            populate(views),
+        )
+        engine.copy.unkeep("model.embed_tokens.weight")
+        engine.store.evict("model.embed_tokens.weight")
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, expected)
+        table = engine.copy.files.view(engine.store.records["model.embed_tokens.weight"].disk)
+        assert populated and table.data_ptr() not in populated
     finally:
         fxoffload_hf.restore(model)

@@ -187,3 +187,41 @@ def test_moving_an_offloaded_model_to_another_device_is_refused():
             model.load_state_dict(build_model("mlp").state_dict())
     finally:
         fxoffload_hf.restore(model)
+
+
+@pytest.mark.parametrize("distance", [1, 3])
+def test_loading_several_pieces_ahead_keeps_eager_results(distance, tmp_path):
+    model = build_model("llama")
+    x = example_input("llama")
+    with torch.no_grad():
+        expected = _output(model, x)
+    fxoffload_hf.offload(model, offload_folder=tmp_path, **_tier_budget("llama", "disk", weight_bytes(model)))
+    try:
+        with torch.no_grad():
+            assert torch.equal(_output(model, x), expected)  # the profiled call
+            engine = fxoffload_hf.engine_of(model)
+            (executor,) = engine.executors
+            executor.distance = distance
+            piece_of = {frozenset(names): i for i, names in enumerate(executor.piece_names)}
+            assert len(piece_of) == len(executor.piece_names), "pieces must be told apart by their weights"
+            events: list[tuple[str, int]] = []
+            submit, release = engine.copy.submit, engine.copy.release
+
+            def spy_submit(records, side, lookups=()):
+                events.append(("load", piece_of[frozenset(r.name for r in records)]))
+                return submit(records, side, lookups)
+
+            def spy_release(piece, keep=()):
+                events.append(("done", piece_of[frozenset(piece.tensors)]))
+                return release(piece, keep)
+
+            engine.copy.submit, engine.copy.release = spy_submit, spy_release
+            assert torch.equal(_output(model, x), expected)
+        pieces = len(executor.piece_names)
+        assert pieces >= 4
+        for position, (kind, piece) in enumerate(events):
+            if kind == "done":
+                loads_before = sum(1 for k, _ in events[:position] if k == "load")
+                assert loads_before == min(piece + 1 + distance, pieces), (piece, events)
+    finally:
+        fxoffload_hf.restore(model)

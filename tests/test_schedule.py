@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from fxoffload_hf.schedule import PieceProfile, choose_resident, unhidden_copy_seconds
+from fxoffload_hf.schedule import (
+    PieceProfile,
+    choose_distance,
+    choose_resident,
+    simulated_seconds,
+    unhidden_copy_seconds,
+    window_bytes,
+)
 from fxoffload_hf.transfer import arena_bytes
 
 
@@ -48,3 +55,35 @@ def test_shared_weights_count_once():
 def test_arena_holds_any_two_consecutive_pieces():
     assert arena_bytes([100, 10, 100]) >= 110
     assert arena_bytes([100, 10, 100]) < 200
+
+
+def test_simulation_of_one_piece_ahead_matches_the_hand_count():
+    # copy 1 | compute a 2 ; b's copy (3) runs under a's compute (2) and waits 1 more; c's copy under b's
+    profiles = [profile("a", 10, 1.0, 2.0), profile("b", 10, 3.0, 1.0), profile("c", 10, 1.0, 1.0)]
+    assert simulated_seconds(profiles, 1) == 1.0 + 3.0 + 1.0 + 1.0  # a loaded 1, b loaded 4, c ends 6
+    # with everything loaded ahead the copy thread never waits for a slot: 1+3+1 copies, then computes
+    assert simulated_seconds(profiles, 3) <= simulated_seconds(profiles, 1)
+
+
+def test_deeper_prefetch_is_chosen_when_it_hides_more_and_fits():
+    # long computes with small copies, then a big copy: one piece ahead leaves the big copy exposed
+    profiles = [profile(f"p{i}", 100, 0.5, 3.0) for i in range(3)] + [profile("big", 100, 5.0, 1.0)]
+    assert simulated_seconds(profiles, 2) < simulated_seconds(profiles, 1)
+    room = window_bytes([128] * 4, 4)
+    chosen = choose_distance(profiles, room)
+    assert chosen >= 2
+    assert simulated_seconds(profiles, chosen) == min(simulated_seconds(profiles, d) for d in (1, 2, 3))
+
+
+def test_prefetch_stays_one_ahead_when_nothing_more_is_hidden_or_no_room():
+    even = [profile(f"p{i}", 100, 0.5, 1.0) for i in range(6)]
+    assert choose_distance(even, 10**9) == 1  # copies already hidden
+    uneven = [profile(f"p{i}", 100, 0.5, 3.0) for i in range(3)] + [profile("big", 100, 5.0, 1.0)]
+    assert choose_distance(uneven, window_bytes([128] * 4, 2)) == 1  # only two pieces fit at once
+
+
+def test_window_bytes_is_the_largest_run_of_consecutive_pieces():
+    assert window_bytes([5, 1, 1, 9, 2], 2) == 11
+    assert window_bytes([5, 1, 1, 9, 2], 3) == 12
+    assert window_bytes([5, 1], 4) == 6
+    assert window_bytes([], 2) == 0
