@@ -311,6 +311,8 @@ class GraphExecutor:
             # leave the staging arena quiet: an unfinished read must not land in the next call's piece
             wait(ahead)
             raise
+        finally:
+            copy.flush()
         engine.stats.add_call(wait_seconds)
         out = self.output_node.args[0]
         return fx.node.map_arg(out, lambda n: env[n] if n not in self.weight_top else args[self.arg_index[n]])

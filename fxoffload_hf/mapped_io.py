@@ -16,7 +16,7 @@ import ctypes
 import mmap
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ class _Mapping:
     fd: int
     view: torch.Tensor  # uint8 over the whole file
     inode: int
+    views: dict[TensorSlice, torch.Tensor] = field(default_factory=dict)  # made once per tensor
 
 
 class MappedFiles:
@@ -63,8 +64,11 @@ class MappedFiles:
             CheckpointError: the file is gone, or changed so that the tensor no longer lies where it did.
         """
         mapping = self._mapping(source)
-        raw = mapping.view[source.offset : source.offset + source.nbytes]
-        return raw.view(source.dtype).view(source.shape)
+        view = mapping.views.get(source)
+        if view is None:
+            raw = mapping.view[source.offset : source.offset + source.nbytes]
+            view = mapping.views[source] = raw.view(source.dtype).view(source.shape)
+        return view
 
     def check(self, source: TensorSlice) -> os.stat_result:
         """Raise if ``source``'s file is gone or changed so that the tensor no longer lies where it did.

@@ -107,6 +107,7 @@ class CopyEngine:
         self.drop_cache = memory_limit() is not None
         self.files = MappedFiles()
         self.kept: dict[str, tuple[torch.Tensor, TensorSlice]] = {}  # resident weights used in place
+        self._releases: list[tuple[torch.Tensor, TensorSlice]] = []  # unmapped by the next load
         # bytes two consecutive streamed pieces take (arena or mapped pages): set by the engine's plan
         self.in_flight_bytes = 0
 
@@ -142,9 +143,18 @@ class CopyEngine:
         ``lookups`` names weights the graph only indexes rows of (embedding tables): used in place, their
         pages are not faulted in ahead, so a lookup reads the rows it needs and not the whole table.
         """
-        return self._reader.submit(self._load, records, side, lookups)
+        releases, self._releases = self._releases, []
+        return self._reader.submit(self._load, records, side, lookups, releases)
 
-    def _load(self, records: list[WeightRecord], side: int, lookups: Container[str] = ()) -> LoadedPiece:
+    def _load(
+        self,
+        records: list[WeightRecord],
+        side: int,
+        lookups: Container[str] = (),
+        releases: list[tuple[torch.Tensor, TensorSlice]] | None = None,
+    ) -> LoadedPiece:
+        if releases:
+            self._unmap(releases)
         start = time.perf_counter()
         tensors: dict[str, torch.Tensor] = {}
         from_disk = [r for r in records if self.needs_staging(r)]
@@ -180,14 +190,19 @@ class CopyEngine:
         return LoadedPiece(tensors, start, time.perf_counter() - start, streamed, event, mapped)
 
     def release(self, piece: LoadedPiece, keep: Container[str] = ()) -> None:
-        """Unmap the mapped weights of a piece that ran, except those in ``keep`` (the next piece's)."""
-        done = [pair for name, pair in piece.mapped.items() if name not in keep]
-        if done:
-            # on the read-ahead thread, off the compute path; queued before the next load, so at most two
-            # pieces are ever mapped
-            self._reader.submit(
-                self.files.release, [v for v, _ in done], [s for _, s in done], self.drop_cache
-            )
+        """Unmap the mapped weights of a piece that ran, except those in ``keep`` (pieces loaded ahead)."""
+        # done on the read-ahead thread, off the compute path, before it loads the next piece: so no more
+        # pieces are mapped than are loaded ahead
+        self._releases.extend(pair for name, pair in piece.mapped.items() if name not in keep)
+
+    def flush(self) -> None:
+        """Unmap what ``release`` set aside (at the end of a call: no load follows to carry it)."""
+        if self._releases:
+            releases, self._releases = self._releases, []
+            self._reader.submit(self._unmap, releases)
+
+    def _unmap(self, pairs: list[tuple[torch.Tensor, TensorSlice]]) -> None:
+        self.files.release([v for v, _ in pairs], [s for _, s in pairs], self.drop_cache)
 
     def _to_device(
         self, tensors: dict[str, torch.Tensor]

@@ -248,20 +248,20 @@ def test_keyboard_interrupt_mid_forward_leaves_a_working_model(where):
             _thread.interrupt_main()  # delivered at the next bytecode, somewhere in the executor
             return result
 
-        def raising_load(records, side):
+        def raising_load(records, side, *rest):
             loads.append(side)
             if len(loads) == 3:
                 raise KeyboardInterrupt
-            return load(records, side)
+            return load(records, side, *rest)
 
-        def slow_load(records, side):
+        def slow_load(records, side, *rest):
             loads.append(side)
             if len(loads) == 2:
                 entered.set()
                 # SIGINT does not wake the executor blocked in Future.result(): the interrupt lands
                 # when this read returns (see the report of issue 7); keep the read short
                 release.wait(0.5)
-            return load(records, side)
+            return load(records, side, *rest)
 
         if where == "piece":
             step.fn = raising_piece
