@@ -104,6 +104,9 @@ class TraceEvent:
     timing: PieceTiming
 
 
+# loads run inline when the last call's loads took less than this share of its compute
+_INLINE_SHARE = 0.05
+
 _LOOKUPS = {
     # op: position of the table among its arguments
     torch.nn.functional.embedding: 1,
@@ -169,6 +172,7 @@ class GraphExecutor:
         self.piece_names = [tuple(names[w] for w in ws) for ws in piece_weights]
         self.piece_name_sets = [frozenset(n) for n in self.piece_names]
         self.distance = 1  # pieces loaded ahead of the one computing; the schedule may raise it
+        self.inline_loads = False  # load each piece just before it runs, on the calling thread
         self.piece_bytes = [sum(weight_bytes[w] for w in ws) for ws in piece_weights]
         # at run time weights are found by argument position: keep no reference to the captured graph
         self.piece_weight_args = [[self.weight_args[w] for w in ws] for ws in piece_weights]
@@ -245,24 +249,26 @@ class GraphExecutor:
             if node not in self.weight_top:
                 env[node] = args[index]
         pieces = len(self.piece_weight_args)
+        inline = self.inline_loads
         # more than one piece ahead only where no piece is staged: the arena holds two pieces, not more
-        distance = self.distance if copy.arena.capacity == 0 else 1
+        distance = 0 if inline else self.distance if copy.arena.capacity == 0 else 1
         ahead: deque[Future[LoadedPiece]] = deque()
         submitted = 0
 
         def load_ahead(upto: int) -> None:
             nonlocal submitted
             while submitted < min(upto, pieces):
-                ahead.append(copy.submit(self._records(args, submitted), submitted % 2, self.lookups))
+                records = self._records(args, submitted)
+                ahead.append(copy.submit(records, submitted % 2, self.lookups, inline=inline))
                 submitted += 1
 
-        load_ahead(1)
-        wait_seconds = 0.0
+        wait_seconds = copy_seconds = compute_seconds = 0.0
         try:
             for step in self.steps:
                 if step.piece is None:
                     env[step.node] = step.fn(*[env[a] if isinstance(a, fx.Node) else a for a in step.args])
                 else:
+                    load_ahead(step.piece + 1)
                     waited = time.perf_counter()
                     loaded = _result(ahead.popleft())
                     wait_seconds += time.perf_counter() - waited
@@ -296,6 +302,8 @@ class GraphExecutor:
                     env[step.node] = result
                     del weights
                     engine.stats.add_piece(loaded.streamed_bytes, loaded.seconds)
+                    copy_seconds += loaded.seconds
+                    compute_seconds += end - start
                     timing = PieceTiming(
                         step.piece, loaded.started, loaded.started + loaded.seconds, start, end
                     )
@@ -314,6 +322,9 @@ class GraphExecutor:
         finally:
             copy.flush()
         engine.stats.add_call(wait_seconds)
+        # On the CPU, when the pages are cached, loading a piece is far quicker than computing one; a
+        # read-ahead thread then only costs the compute: each wake-up takes a core from its threads.
+        self.inline_loads = engine.device.type == "cpu" and copy_seconds < _INLINE_SHARE * compute_seconds
         out = self.output_node.args[0]
         return fx.node.map_arg(out, lambda n: env[n] if n not in self.weight_top else args[self.arg_index[n]])
 

@@ -136,15 +136,23 @@ class CopyEngine:
         return self.is_cuda or not can_map(record.disk, record.dtype)
 
     def submit(
-        self, records: list[WeightRecord], side: int, lookups: Container[str] = ()
+        self, records: list[WeightRecord], side: int, lookups: Container[str] = (), *, inline: bool = False
     ) -> Future[LoadedPiece]:
         """Start bringing ``records`` to the device; the future resolves once they can be used.
 
         ``lookups`` names weights the graph only indexes rows of (embedding tables): used in place, their
         pages are not faulted in ahead, so a lookup reads the rows it needs and not the whole table.
+        ``inline`` loads on the calling thread and returns a future already done.
         """
         releases, self._releases = self._releases, []
-        return self._reader.submit(self._load, records, side, lookups, releases)
+        if not inline:
+            return self._reader.submit(self._load, records, side, lookups, releases)
+        done: Future[LoadedPiece] = Future()
+        try:
+            done.set_result(self._load(records, side, lookups, releases))
+        except Exception as exc:
+            done.set_exception(exc)
+        return done
 
     def _load(
         self,

@@ -202,14 +202,15 @@ def test_loading_several_pieces_ahead_keeps_eager_results(distance, tmp_path):
             engine = fxoffload_hf.engine_of(model)
             (executor,) = engine.executors
             executor.distance = distance
+            executor.inline_loads = False  # loads through the read-ahead thread, as when copies cost
             piece_of = {frozenset(names): i for i, names in enumerate(executor.piece_names)}
             assert len(piece_of) == len(executor.piece_names), "pieces must be told apart by their weights"
             events: list[tuple[str, int]] = []
             submit, release = engine.copy.submit, engine.copy.release
 
-            def spy_submit(records, side, lookups=()):
+            def spy_submit(records, side, lookups=(), **kwargs):
                 events.append(("load", piece_of[frozenset(r.name for r in records)]))
-                return submit(records, side, lookups)
+                return submit(records, side, lookups, **kwargs)
 
             def spy_release(piece, keep=()):
                 events.append(("done", piece_of[frozenset(piece.tensors)]))
