@@ -185,10 +185,12 @@ class StepClock:
         return scores
 
     def decode_rate(self) -> float | None:
-        """Decode tokens per second: the steps after the first token (the first comes from prefill)."""
+        """Decode tokens per second: one over the median time of the steps after the first token (the
+        first comes from prefill). The median, not the mean: one hiccup of a shared 2-core machine would
+        otherwise move a 16-step figure by several percent, in either run of a comparison."""
         if len(self.times) < 2:
             return None
-        return (len(self.times) - 1) / (self.times[-1] - self.times[0])
+        return 1.0 / statistics.median(b - a for a, b in zip(self.times, self.times[1:], strict=False))
 
 
 def load_model(mode: str, model_dir: Path, budget: int, offload_dir: Path) -> Any:
@@ -882,7 +884,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_table(rows, eager_tokens)
     print(
-        "(peak private = max RssAnon, peak file-backed = max RssFile, sampled every 20 ms over the timed prefill "
+        "(decode tok/s = 1 / median decode step time; peak private = max RssAnon, peak file-backed = max RssFile, sampled every 20 ms over the timed prefill "
         "and generate; both include the import baseline)"
     )
     if bound is not None:
