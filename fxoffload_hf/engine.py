@@ -17,7 +17,7 @@ from fxoffload_hf.executor import GraphExecutor, TraceEvent
 from fxoffload_hf.memory import format_bytes, return_large_frees_to_the_os
 from fxoffload_hf.partition import BudgetTooSmallError, Partition, partition_graph
 from fxoffload_hf.schedule import PieceProfile, choose_distance, choose_resident, window_bytes
-from fxoffload_hf.transfer import CopyEngine, arena_bytes, piece_arena_bytes
+from fxoffload_hf.transfer import CopyEngine, arena_bytes, piece_arena_bytes, streams_from_file
 from fxoffload_hf.weights import WeightStore
 
 # the free budget is split this many ways into piece targets: under "auto" two pieces in flight take a
@@ -222,9 +222,7 @@ class Engine:
                 for piece in records
             ]
             streamed_pieces = [
-                piece_arena_bytes(
-                    [r.disk.nbytes for r in piece if r.disk and r.resident is None and r.host is None]
-                )
+                piece_arena_bytes([r.disk.nbytes for r in piece if r.disk and streams_from_file(r)])
                 for piece in records
             ]
             if any(staged_pieces):

@@ -3,9 +3,9 @@
 On the CPU a streamed weight needs no copy at all: a private, read-only-in-effect mapping
 (``MAP_PRIVATE``) of the safetensors file gives a tensor over the page cache. The read-ahead thread
 faults a piece's pages in (``MADV_POPULATE_READ``, which also reads them from disk when they are not
-cached) while the piece before computes; after the piece ran its pages are unmapped
-(``MADV_DONTNEED``, on the read-ahead thread too), so the process holds the bytes of the pieces in flight and no more. Under a memory
-limit the pages are also dropped from the page cache, which is charged to the process.
+cached) while the piece before computes; after the piece ran its pages are unmapped (``MADV_DONTNEED``,
+by the load that follows), so the process holds the bytes of the pieces in flight and no more. Under a
+memory limit the pages are also dropped from the page cache, which is charged to the process.
 
 A ``MAP_PRIVATE`` mapping never writes to the file: the checkpoint is never modified.
 """
@@ -63,33 +63,42 @@ class MappedFiles:
         Raises:
             CheckpointError: the file is gone, or changed so that the tensor no longer lies where it did.
         """
-        mapping = self._mapping(source)
-        view = mapping.views.get(source)
-        if view is None:
-            raw = mapping.view[source.offset : source.offset + source.nbytes]
-            view = mapping.views[source] = raw.view(source.dtype).view(source.shape)
-        return view
+        return self.views([source])[0]
 
-    def check(self, source: TensorSlice) -> os.stat_result:
-        """Raise if ``source``'s file is gone or changed so that the tensor no longer lies where it did.
+    def views(self, sources: list[TensorSlice]) -> list[torch.Tensor]:
+        """``view`` for several tensors, each file checked once."""
+        out: dict[TensorSlice, torch.Tensor] = {}
+        for path, group in _by_file(sources).items():
+            mapping = self._mapping(path, self._check(path, group))
+            for source in group:
+                view = mapping.views.get(source)
+                if view is None:
+                    raw = mapping.view[source.offset : source.offset + source.nbytes]
+                    view = mapping.views[source] = raw.view(source.dtype).view(source.shape)
+                out[source] = view
+        return [out[source] for source in sources]
 
-        A file truncated under a mapping faults (SIGBUS) when the lost pages are touched: every use of a
-        mapped weight is checked first.
+    def check(self, sources: list[TensorSlice]) -> None:
+        """Raise if a file of ``sources`` is gone or changed so that its tensors no longer lie where they
+        did. A file truncated under a mapping faults (SIGBUS) when the lost pages are touched: every use
+        of a mapped weight is checked first.
 
         Raises:
             CheckpointError: as for ``check_unchanged``.
         """
+        for path, group in _by_file(sources).items():
+            self._check(path, group)
+
+    @staticmethod
+    def _check(path: Path, sources: list[TensorSlice]) -> os.stat_result:
         try:
-            stat = os.stat(source.path)
+            stat = os.stat(path)
         except FileNotFoundError:
-            raise CheckpointError(f"{source.path}: file not found; restore the missing shard") from None
-        if (stat.st_ino, stat.st_size, stat.st_mtime_ns) != source.signature:
-            check_unchanged(source.path, [source])
+            raise CheckpointError(f"{path}: file not found; restore the missing shard") from None
+        check_unchanged(path, sources, stat)
         return stat
 
-    def _mapping(self, source: TensorSlice) -> _Mapping:
-        path = source.path
-        stat = self.check(source)
+    def _mapping(self, path: Path, stat: os.stat_result) -> _Mapping:
         with self._lock:
             mapping = self._maps.get(path)
             if mapping is not None and mapping.inode != stat.st_ino:
@@ -143,6 +152,13 @@ class MappedFiles:
         with self._lock:
             for path in list(self._maps):
                 self._forget(path)
+
+
+def _by_file(sources: list[TensorSlice]) -> dict[Path, list[TensorSlice]]:
+    groups: dict[Path, list[TensorSlice]] = {}
+    for source in sources:
+        groups.setdefault(source.path, []).append(source)
+    return groups
 
 
 def _page_ranges(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:

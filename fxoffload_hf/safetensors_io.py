@@ -133,9 +133,7 @@ def _read_run(slices: list[TensorSlice], buffers: list[torch.Tensor], drop_cache
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found; restore the missing shard") from None
     try:
-        stat = os.fstat(fd)
-        if (stat.st_ino, stat.st_size, stat.st_mtime_ns) != slices[0].signature:
-            check_unchanged(path, slices)
+        check_unchanged(path, slices, os.fstat(fd))
         views = [memoryview(b.numpy()) for b in buffers]  # type: ignore[arg-type]
         done = 0
         while done < total:
@@ -152,12 +150,16 @@ def _read_run(slices: list[TensorSlice], buffers: list[torch.Tensor], drop_cache
         os.close(fd)
 
 
-def check_unchanged(path: Path, slices: list[TensorSlice]) -> None:
-    """Raise if ``path`` changed since it was indexed so that its tensors no longer lie where they did.
+def check_unchanged(path: Path, slices: list[TensorSlice], stat: os.stat_result) -> None:
+    """Raise if ``path`` (now as ``stat`` says) changed since ``slices`` were indexed so that they no
+    longer lie where they did. Free while the file's identity, size and time are the same; else its
+    header is read again.
 
     Raises:
         CheckpointError: a tensor moved, changed shape or dtype, or is gone, or the file is corrupt now.
     """
+    if (stat.st_ino, stat.st_size, stat.st_mtime_ns) == slices[0].signature:
+        return
     now = read_header(path)
     for old in slices:
         new = now.get(old.key)

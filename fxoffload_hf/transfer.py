@@ -81,6 +81,11 @@ class StagingArena:
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
 
+def streams_from_file(record: WeightRecord) -> bool:
+    """Whether bringing ``record`` in reads its file (neither kept on the device nor held in RAM)."""
+    return record.resident is None and record.host is None and record.disk is not None
+
+
 def piece_arena_bytes(tensor_bytes: list[int]) -> int:
     """Arena bytes one piece takes: its tensors laid out at aligned offsets."""
     return sum(_aligned(b) for b in tensor_bytes)
@@ -131,9 +136,7 @@ class CopyEngine:
 
     def needs_staging(self, record: WeightRecord) -> bool:
         """Whether streaming ``record`` goes through the staging arena (else it is used in place)."""
-        if record.resident is not None or record.host is not None or record.disk is None:
-            return False
-        return self.is_cuda or not can_map(record.disk, record.dtype)
+        return streams_from_file(record) and not self.used_in_place(record)
 
     def submit(
         self, records: list[WeightRecord], side: int, lookups: Container[str] = (), *, inline: bool = False
@@ -165,12 +168,18 @@ class CopyEngine:
             self._unmap(releases)
         start = time.perf_counter()
         tensors: dict[str, torch.Tensor] = {}
-        from_disk = [r for r in records if self.needs_staging(r)]
+        in_place = [r for r in records if streams_from_file(r) and self.used_in_place(r)]
+        from_disk = [r for r in records if streams_from_file(r) and not self.used_in_place(r)]
+        in_place_sources = [r.disk for r in in_place if r.disk is not None]
         mapped = {
-            r.name: (self.files.view(r.disk), r.disk)
-            for r in records
-            if r.resident is None and r.host is None and r.disk is not None and not self.needs_staging(r)
+            r.name: (view, source)
+            for r, view, source in zip(
+                in_place, self.files.views(in_place_sources), in_place_sources, strict=True
+            )
         }
+        kept = [self.kept[r.name][1] for r in records if r.resident is not None and r.name in self.kept]
+        if kept:
+            self.files.check(kept)
         streamed = sum(source.nbytes for _, source in mapped.values())
         if mapped:
             self.files.populate([view for name, (view, _) in mapped.items() if name not in lookups])
@@ -186,8 +195,6 @@ class CopyEngine:
                 streamed += record.nbytes
         for record in records:
             if record.resident is not None:
-                if record.name in self.kept:
-                    self.files.check(self.kept[record.name][1])
                 tensors[record.name] = record.resident
             elif record.host is not None:
                 tensors[record.name] = record.host

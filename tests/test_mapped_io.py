@@ -82,7 +82,7 @@ def test_a_truncated_file_is_an_error_not_a_crash(shard):
     with pytest.raises(CheckpointError, match="a.safetensors"):
         files.view(source)
     with pytest.raises(CheckpointError, match="a.safetensors"):
-        files.check(source)
+        files.check([source])
     files.close()
 
 
