@@ -16,7 +16,13 @@ from fxoffload_hf.config import OffloadConfig
 from fxoffload_hf.executor import GraphExecutor, TraceEvent
 from fxoffload_hf.memory import format_bytes, return_large_frees_to_the_os
 from fxoffload_hf.partition import BudgetTooSmallError, Partition, partition_graph
-from fxoffload_hf.schedule import PieceProfile, choose_distance, choose_resident, window_bytes
+from fxoffload_hf.schedule import (
+    PieceProfile,
+    choose_distance,
+    choose_resident,
+    load_groups,
+    window_bytes,
+)
 from fxoffload_hf.transfer import CopyEngine, arena_bytes, piece_arena_bytes, streams_from_file
 from fxoffload_hf.weights import WeightStore
 
@@ -213,8 +219,11 @@ class Engine:
 
     def _reserve_arena(self) -> None:
         """Size the staging arena for the bytes of consecutive pieces of every graph that pass through it,
-        and note what two consecutive streamed pieces hold in all (arena or mapped pages)."""
+        and note what two consecutive streamed pieces hold in all (arena or mapped pages). Loads that run
+        on the calling thread hold one load at a time: there, consecutive pieces are loaded together while
+        they fit in that room, so that fewer loads and unmappings run per call."""
         staged, in_flight = 0, 0
+        streamed_by_executor = []
         for executor in self.executors:
             records = [[self.store.records[n] for n in names] for names in executor.piece_names]
             staged_pieces = [
@@ -229,8 +238,13 @@ class Engine:
                 staged = max(staged, arena_bytes(staged_pieces))
             if any(streamed_pieces):
                 in_flight = max(in_flight, window_bytes(streamed_pieces, executor.distance + 1))
+            streamed_by_executor.append(streamed_pieces)
         self.copy.arena.resize(staged)
         self.copy.in_flight_bytes = in_flight
+        for executor, streamed_pieces in zip(self.executors, streamed_by_executor, strict=True):
+            # staged pieces share the arena two at a time: those load one by one
+            grouped = not staged and self.device.type == "cpu"
+            executor.group_ends = load_groups(streamed_pieces, in_flight) if grouped else []
 
     def close(self) -> None:
         self.copy.close()

@@ -43,6 +43,7 @@ class Step:
     fn: Callable[..., Any]
     args: tuple[Any, ...]
     frees: tuple[fx.Node, ...]
+    weights: tuple[str | None, ...] = ()  # for each argument of a piece, the weight it is, or None
 
 
 @dataclass
@@ -168,12 +169,13 @@ class GraphExecutor:
         self.lookups = frozenset(names[w] for w in weight_bytes if _only_row_lookups(w))
         self.partition: Partition = engine.partition(gm.graph, weight_bytes, self.activation_bytes)
         self.split = self._split(gm)
-        steps, piece_weights = self._build_steps(placeholders)
+        steps, piece_weights = self._build_steps(placeholders, names)
         self.steps = steps
         self.piece_names = [tuple(names[w] for w in ws) for ws in piece_weights]
-        self.piece_name_sets = [frozenset(n) for n in self.piece_names]
         self.distance = 1  # pieces loaded ahead of the one computing; the schedule may raise it
         self.inline_loads = False  # load each piece just before it runs, on the calling thread
+        # when loads are inline: for each piece, one past the last piece loaded with it (set by the engine)
+        self.group_ends: list[int] = []
         self.piece_bytes = [sum(weight_bytes[w] for w in ws) for ws in piece_weights]
         # at run time weights are found by argument position: keep no reference to the captured graph
         self.piece_weight_args = [[self.weight_args[w] for w in ws] for ws in piece_weights]
@@ -194,14 +196,15 @@ class GraphExecutor:
             return split_module(gm, gm, lambda n: 0)
         return split_module(gm, gm, lambda n: piece_of[n])
 
-    def _build_steps(self, placeholders: list[fx.Node]) -> tuple[list[Step], list[list[fx.Node]]]:
+    def _build_steps(
+        self, placeholders: list[fx.Node], names: dict[fx.Node, str]
+    ) -> tuple[list[Step], list[list[fx.Node]]]:
         """Top-level nodes as steps; for each piece (in execution order) its weight placeholders."""
         original = {n.name: n for n in placeholders}
         top_placeholders = [n for n in self.split.graph.nodes if n.op == "placeholder"]
         self.arg_index = {n: i for i, n in enumerate(top_placeholders)}
         weight_top = {n for n in top_placeholders if original.get(n.name) in self.weight_args}
         self.weight_top = weight_top
-        self.weight_positions = {n: self.arg_index[n] for n in weight_top}
         last_use: dict[fx.Node, fx.Node] = {}
         for node in self.split.graph.nodes:
             for dep in node._input_nodes:
@@ -216,15 +219,17 @@ class GraphExecutor:
             if node.op in ("placeholder", "output"):
                 continue
             piece = None
+            weights: tuple[str | None, ...] = ()
             if node.op == "call_module":
                 piece = len(piece_weights)
                 piece_weights.append([original[a.name] for a in node.args if a in weight_top])
+                weights = tuple(names[original[a.name]] if a in weight_top else None for a in node.args)
                 fn = compile_piece(getattr(self.split, node.target), self.engine.config.compile)
             elif node.op == "call_function":
                 fn = node.target
             else:
                 raise NotImplementedError(f"unexpected top-level node {node.op} in split graph")
-            steps.append(Step(node, piece, fn, tuple(node.args), tuple(frees.get(node, ()))))
+            steps.append(Step(node, piece, fn, tuple(node.args), tuple(frees.get(node, ())), weights))
         self.output_node = next(n for n in self.split.graph.nodes if n.op == "output")
         return steps, piece_weights
 
@@ -253,15 +258,18 @@ class GraphExecutor:
         inline = self.inline_loads
         # more than one piece ahead only where no piece is staged: the arena holds two pieces, not more
         distance = 0 if inline else self.distance if copy.arena.capacity == 0 else 1
+        group_ends = self.group_ends if inline and len(self.group_ends) == pieces else None
         ahead: deque[Future[LoadedPiece]] = deque()
         submitted = 0
+        loaded, loaded_until = LoadedPiece({}, 0.0, 0.0, 0), 0  # the load in use; one past its last piece
 
         def load_ahead(upto: int) -> None:
             nonlocal submitted
             while submitted < min(upto, pieces):
-                records = self._records(args, submitted)
+                end = group_ends[submitted] if group_ends else submitted + 1
+                records = [r for piece in range(submitted, end) for r in self._records(args, piece)]
                 ahead.append(copy.submit(records, submitted % 2, self.lookups, inline=inline))
-                submitted += 1
+                submitted = end
 
         wait_seconds = copy_seconds = compute_seconds = 0.0
         try:
@@ -269,32 +277,36 @@ class GraphExecutor:
                 if step.piece is None:
                     env[step.node] = step.fn(*[env[a] if isinstance(a, fx.Node) else a for a in step.args])
                 else:
-                    load_ahead(step.piece + 1)
-                    waited = time.perf_counter()
-                    loaded = _result(ahead.popleft())
-                    wait_seconds += time.perf_counter() - waited
-                    weights = copy.ready(loaded)
-                    load_ahead(step.piece + 1 + distance)
-                    call_args = [
-                        (
-                            weights[self._record(args, self.weight_positions[a]).name]
-                            if a in self.weight_top
-                            else env[a]
+                    if step.piece < loaded_until:  # loaded together with the piece before
+                        loaded = LoadedPiece(
+                            loaded.tensors, time.perf_counter(), 0.0, 0, mapped=loaded.mapped
                         )
-                        if isinstance(a, fx.Node)
-                        else a
-                        for a in step.args
+                        weights = loaded.tensors
+                    else:
+                        load_ahead(step.piece + 1)
+                        waited = time.perf_counter()
+                        loaded = _result(ahead.popleft())
+                        wait_seconds += time.perf_counter() - waited
+                        weights = copy.ready(loaded)
+                        loaded_until = group_ends[step.piece] if group_ends else step.piece + 1
+                        load_ahead(step.piece + 1 + distance)
+                    call_args = [
+                        weights[name] if name is not None else env[a] if isinstance(a, fx.Node) else a
+                        for a, name in zip(step.args, step.weights, strict=True)
                     ]
                     start = time.perf_counter()
+                    ran = False
                     try:
                         result = step.fn(*call_args)
+                        ran = True
                     except Exception as exc:
                         raise PieceError(
                             f"piece {step.piece} ({step.node.target}) of a graph offloaded by fxoffload_hf failed: {exc}"
                         ) from exc
                     finally:
                         del call_args
-                        copy.release(loaded, keep=self._loaded_ahead(step.piece, distance))
+                        if step.piece + 1 == loaded_until or not ran:  # the last piece of its load, or failed
+                            copy.release(loaded)
                     if profile and engine.device.type == "cuda":
                         torch.cuda.synchronize(engine.device)
                     end = time.perf_counter()
@@ -321,7 +333,7 @@ class GraphExecutor:
             wait(ahead)
             raise
         finally:
-            copy.flush()
+            copy.flush(inline=inline)
         engine.stats.add_call(wait_seconds)
         # On the CPU, when the pages are cached, loading a piece is far quicker than computing one; a
         # read-ahead thread then only costs the compute: each wake-up takes a core from its threads.
@@ -329,13 +341,6 @@ class GraphExecutor:
         self.inline_loads = engine.device.type == "cpu" and copy_seconds < share * compute_seconds
         out = self.output_node.args[0]
         return fx.node.map_arg(out, lambda n: env[n] if n not in self.weight_top else args[self.arg_index[n]])
-
-    def _loaded_ahead(self, piece: int, distance: int) -> frozenset[str]:
-        """Weights of the pieces loaded ahead of ``piece``: they must stay when ``piece`` is released."""
-        following = self.piece_name_sets[piece + 1 : piece + 1 + distance]
-        if len(following) == 1:
-            return following[0]
-        return frozenset().union(*following)
 
     def _profiled_call(self, args: tuple[Any, ...]) -> Any:
         self.timings = []

@@ -7,6 +7,11 @@ cached) while the piece before computes; after the piece ran its pages are unmap
 by the load that follows), so the process holds the bytes of the pieces in flight and no more. Under a
 memory limit the pages are also dropped from the page cache, which is charged to the process.
 
+Pages are mapped in 2 MiB folios, and two weights can share one. Each 2 MiB unit of a mapping is
+therefore counted while some weight in it is in use, and only units no weight uses are unmapped, whole:
+unmapping part of a folio would split its mapping and unmap its other part too, which the weight beside
+it (the next piece's, or a resident's) would then fault back in 4 KiB at a time.
+
 A ``MAP_PRIVATE`` mapping never writes to the file: the checkpoint is never modified.
 """
 
@@ -16,6 +21,7 @@ import ctypes
 import mmap
 import os
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +34,7 @@ _MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels get MADV_WILLNEED (asynch
 _MADV_WILLNEED = 3
 _MADV_HUGEPAGE = 14
 _PAGE = mmap.PAGESIZE
+_UNIT_SHIFT = 21  # 2 MiB: the folio size that MADV_HUGEPAGE asks for
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _madvise = _libc.madvise
@@ -37,8 +44,7 @@ _madvise.restype = ctypes.c_int
 
 def can_map(source: TensorSlice, dtype: torch.dtype) -> bool:
     """Whether a weight can be used straight from its file: same dtype, aligned for its element size."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return source.dtype == dtype and source.offset % itemsize == 0 and source.nbytes > 0
+    return source.dtype == dtype and source.offset % dtype.itemsize == 0 and source.nbytes > 0
 
 
 @dataclass
@@ -49,6 +55,17 @@ class _Mapping:
     views: dict[TensorSlice, torch.Tensor] = field(default_factory=dict)  # made once per tensor
 
 
+@dataclass(eq=False)
+class MappedGroup:
+    """Views of some tensors of the checkpoint, prepared once to be mapped and unmapped together often."""
+
+    views: list[torch.Tensor]
+    files: list[tuple[Path, list[TensorSlice], _Mapping]]  # each file with its tensors, as mapped
+    units: list[tuple[int, int]]  # each view's 2 MiB units (a unit twice if two views touch it)
+    fault_ranges: list[tuple[int, int]]  # the pages to fault in ahead
+    ends: dict[int, int]  # mapping start -> end
+
+
 class MappedFiles:
     """One private mapping per checkpoint file, shared by all pieces; thread-safe."""
 
@@ -56,6 +73,8 @@ class MappedFiles:
         self._maps: dict[Path, _Mapping] = {}
         self._lock = threading.Lock()
         self._populate = _MADV_POPULATE_READ
+        self._held: Counter[tuple[int, int]] = Counter()  # (mapping start, 2 MiB unit) -> weights using it
+        self._fds: dict[int, int] = {}  # mapping start -> its file, to drop its pages from the cache
 
     def view(self, source: TensorSlice) -> torch.Tensor:
         """The tensor ``source`` describes, over the file's pages (not yet faulted in).
@@ -107,6 +126,7 @@ class MappedFiles:
             if mapping is None:
                 mapping = self._open(path, stat.st_ino)
                 self._maps[path] = mapping
+                self._fds[mapping.view.data_ptr()] = mapping.fd
             return mapping
 
     @staticmethod
@@ -124,28 +144,93 @@ class MappedFiles:
         _madvise(view.data_ptr(), view.numel(), _MADV_HUGEPAGE)
         return _Mapping(fd, view, inode)
 
+    def group(self, sources: list[TensorSlice], fault_in: list[bool]) -> MappedGroup:
+        """Views of ``sources`` prepared for ``acquire`` and ``release_groups``; ``fault_in`` says for each
+        whether its pages are faulted in ahead (not for an embedding table whose lookups read a few rows).
+
+        Raises:
+            CheckpointError: as for ``view``.
+        """
+        views = self.views(sources)
+        files = [(path, group, self._maps[path]) for path, group in _by_file(sources).items()]
+        return MappedGroup(
+            views=views,
+            files=files,
+            units=[unit for view in views for unit in _units(view)],
+            fault_ranges=_page_ranges([view for view, fault in zip(views, fault_in, strict=True) if fault]),
+            ends=_mapping_ends(views),
+        )
+
+    def is_current(self, group: MappedGroup) -> bool:
+        """Whether ``group``'s views still map their files (False once a file was replaced: make it again).
+
+        Raises:
+            CheckpointError: as for ``check``.
+        """
+        for path, sources, mapping in group.files:
+            stat = self._check(path, sources)
+            if self._maps.get(path) is not mapping or mapping.inode != stat.st_ino:
+                return False
+        return True
+
+    def acquire(self, group: MappedGroup) -> None:
+        """Hold ``group``'s views and fault in their pages (blocks; releases the GIL)."""
+        self._hold(group.units)
+        self._fault(group.fault_ranges)
+
+    def release_groups(self, groups: list[MappedGroup], drop_cache: bool) -> None:
+        """End one ``acquire`` of each of ``groups``, as ``release`` does for tensors."""
+        ends: dict[int, int] = {}
+        for group in groups:
+            ends.update(group.ends)
+        self._release([unit for group in groups for unit in group.units], ends, drop_cache)
+
     def populate(self, tensors: list[torch.Tensor]) -> None:
-        """Fault the pages of ``tensors`` in, reading them from disk if needed (blocks; releases the GIL)."""
-        for start, length in _page_ranges(tensors):
+        """Hold ``tensors`` and fault their pages in, reading them from disk if needed (blocks; releases
+        the GIL)."""
+        self._hold([unit for tensor in tensors for unit in _units(tensor)])
+        self._fault(_page_ranges(tensors))
+
+    def release(self, tensors: list[torch.Tensor], drop_cache: bool) -> None:
+        """End one hold of each of ``tensors``: unmap the 2 MiB units no held tensor uses any more (they
+        fault back in from the file if used again); with ``drop_cache``, drop them from the page cache too."""
+        self._release(
+            [unit for tensor in tensors for unit in _units(tensor)], _mapping_ends(tensors), drop_cache
+        )
+
+    def _hold(self, units: list[tuple[int, int]]) -> None:
+        with self._lock:
+            self._held.update(units)
+
+    def _fault(self, ranges: list[tuple[int, int]]) -> None:
+        for start, length in ranges:
             if _madvise(start, length, self._populate) != 0:
                 if ctypes.get_errno() != 22 or self._populate != _MADV_POPULATE_READ:
                     raise OSError(ctypes.get_errno(), "madvise failed while reading weights")
                 self._populate = _MADV_WILLNEED  # kernel before 5.14
                 _madvise(start, length, self._populate)
 
-    def release(self, tensors: list[torch.Tensor], sources: list[TensorSlice], drop_cache: bool) -> None:
-        """Unmap the pages of ``tensors`` (they fault back in from the file if used again); with
-        ``drop_cache``, drop them from the page cache too."""
-        for start, length in _page_ranges(tensors):
-            _madvise(start, length, _MADV_DONTNEED)
-        if drop_cache:
-            for source in sources:
-                mapping = self._maps.get(source.path)
-                if mapping is not None:
-                    os.posix_fadvise(mapping.fd, source.offset, source.nbytes, os.POSIX_FADV_DONTNEED)
+    def _release(self, units: list[tuple[int, int]], ends: dict[int, int], drop_cache: bool) -> None:
+        unused: list[tuple[int, int]] = []
+        held = self._held
+        with self._lock:
+            for unit in units:
+                count = held[unit] - 1
+                if count > 0:
+                    held[unit] = count
+                else:
+                    del held[unit]
+                    unused.append(unit)
+            fds = {start: self._fds.get(start) for start, _ in unused} if drop_cache else {}
+        for start, address, length in _unit_ranges(unused, ends):
+            _madvise(address, length, _MADV_DONTNEED)
+            fd = fds.get(start)
+            if fd is not None:
+                os.posix_fadvise(fd, address - start, length, os.POSIX_FADV_DONTNEED)
 
     def _forget(self, path: Path) -> None:
         mapping = self._maps.pop(path)
+        self._fds.pop(mapping.view.data_ptr(), None)
         os.close(mapping.fd)  # the pages stay mapped until the last view of them is gone
 
     def close(self) -> None:
@@ -179,3 +264,38 @@ def _page_ranges(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
         else:
             merged.append([start, end])
     return [(start, end - start) for start, end in merged]
+
+
+def _mapping_start(tensor: torch.Tensor) -> int:
+    """Where the mapping that ``tensor`` views starts (its storage is the whole mapping)."""
+    return tensor.untyped_storage().data_ptr()
+
+
+def _mapping_ends(tensors: list[torch.Tensor]) -> dict[int, int]:
+    """Start -> end of the mappings that ``tensors`` view."""
+    return {_mapping_start(t): _mapping_start(t) + t.untyped_storage().nbytes() for t in tensors}
+
+
+def _units(tensor: torch.Tensor) -> list[tuple[int, int]]:
+    """The 2 MiB units of address space (with the start of their mapping) that ``tensor``'s bytes touch."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if not nbytes:
+        return []
+    start = _mapping_start(tensor)
+    first = tensor.data_ptr() >> _UNIT_SHIFT
+    last = (tensor.data_ptr() + nbytes - 1) >> _UNIT_SHIFT
+    return [(start, unit) for unit in range(first, last + 1)]
+
+
+def _unit_ranges(units: list[tuple[int, int]], ends: dict[int, int]) -> list[tuple[int, int, int]]:
+    """(mapping start, address, length) ranges covering ``units``, merged where they follow each other and
+    cut to their mapping's pages (``ends``: mapping start -> end)."""
+    ranges: list[list[int]] = []
+    for start, unit in sorted(units):
+        low = max(unit << _UNIT_SHIFT, start)
+        high = min((unit + 1) << _UNIT_SHIFT, (ends[start] + _PAGE - 1) // _PAGE * _PAGE)
+        if ranges and ranges[-1][0] == start and ranges[-1][2] == low:
+            ranges[-1][2] = high
+        else:
+            ranges.append([start, low, high])
+    return [(start, low, high - low) for start, low, high in ranges]

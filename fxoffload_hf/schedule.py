@@ -103,3 +103,19 @@ def choose_distance(profiles: list[PieceProfile], room: int, max_distance: int =
         if seconds < best_seconds * 0.99:
             best, best_seconds = distance, seconds
     return best
+
+
+def load_groups(piece_bytes: list[int], room: int) -> list[int]:
+    """Runs of consecutive pieces loaded as one (``piece_bytes``: what each streams), each within ``room``
+    bytes; for each piece, the index one past the end of its run. A piece larger than ``room`` runs alone,
+    and pieces that stream nothing join their neighbours for free."""
+    ends = [0] * len(piece_bytes)
+    start = 0
+    while start < len(piece_bytes):
+        end, total = start + 1, piece_bytes[start]
+        while end < len(piece_bytes) and total + piece_bytes[end] <= room:
+            total += piece_bytes[end]
+            end += 1
+        ends[start:end] = [end] * (end - start)
+        start = end
+    return ends

@@ -17,13 +17,13 @@ from __future__ import annotations
 import time
 from collections.abc import Container
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map_only
 
-from fxoffload_hf.mapped_io import MappedFiles, can_map
+from fxoffload_hf.mapped_io import MappedFiles, MappedGroup, can_map
 from fxoffload_hf.memory import memory_limit
 from fxoffload_hf.safetensors_io import TensorSlice, read_into
 from fxoffload_hf.weights import WeightRecord, as_typed
@@ -44,7 +44,20 @@ class LoadedPiece:
     seconds: float
     streamed_bytes: int
     event: torch.cuda.Event | None = None
-    mapped: dict[str, tuple[torch.Tensor, TensorSlice]] = field(default_factory=dict)
+    mapped: MappedGroup | None = None  # the views of its file pages it holds
+
+
+@dataclass(eq=False)
+class _LoadPlan:
+    """How the weights of one load come in, worked out once and reused while their tiers stay the same."""
+
+    tiers: tuple[tuple[bool, bool, TensorSlice | None, torch.dtype], ...]  # what the plan was made for
+    mapped_names: list[str]
+    mapped: MappedGroup | None
+    mapped_bytes: int
+    staged: list[WeightRecord]  # read into the staging arena
+    held: list[WeightRecord]  # resident, or held in RAM
+    kept: list[TensorSlice]  # resident weights used in place: their files are checked at each load
 
 
 class StagingArena:
@@ -112,7 +125,8 @@ class CopyEngine:
         self.drop_cache = memory_limit() is not None
         self.files = MappedFiles()
         self.kept: dict[str, tuple[torch.Tensor, TensorSlice]] = {}  # resident weights used in place
-        self._releases: list[tuple[torch.Tensor, TensorSlice]] = []  # unmapped by the next load
+        self._releases: list[MappedGroup] = []  # unmapped by the next load
+        self._plans: dict[tuple[tuple[str, ...], Container[str]], _LoadPlan] = {}
         # bytes two consecutive streamed pieces take (arena or mapped pages): set by the engine's plan
         self.in_flight_bytes = 0
 
@@ -132,7 +146,7 @@ class CopyEngine:
         """Unmap a weight kept by ``keep_mapped`` (no-op for others)."""
         pair = self.kept.pop(name, None)
         if pair is not None:
-            self.files.release([pair[0]], [pair[1]], self.drop_cache)
+            self.files.release([pair[0]], self.drop_cache)
 
     def needs_staging(self, record: WeightRecord) -> bool:
         """Whether streaming ``record`` goes through the staging arena (else it is used in place)."""
@@ -162,38 +176,29 @@ class CopyEngine:
         records: list[WeightRecord],
         side: int,
         lookups: Container[str] = (),
-        releases: list[tuple[torch.Tensor, TensorSlice]] | None = None,
+        releases: list[MappedGroup] | None = None,
     ) -> LoadedPiece:
         if releases:
             self._unmap(releases)
         start = time.perf_counter()
+        plan = self._plan(records, lookups)
+        if plan.kept:
+            self.files.check(plan.kept)
         tensors: dict[str, torch.Tensor] = {}
-        in_place = [r for r in records if streams_from_file(r) and self.used_in_place(r)]
-        from_disk = [r for r in records if streams_from_file(r) and not self.used_in_place(r)]
-        in_place_sources = [r.disk for r in in_place if r.disk is not None]
-        mapped = {
-            r.name: (view, source)
-            for r, view, source in zip(
-                in_place, self.files.views(in_place_sources), in_place_sources, strict=True
-            )
-        }
-        kept = [self.kept[r.name][1] for r in records if r.resident is not None and r.name in self.kept]
-        if kept:
-            self.files.check(kept)
-        streamed = sum(source.nbytes for _, source in mapped.values())
-        if mapped:
-            self.files.populate([view for name, (view, _) in mapped.items() if name not in lookups])
-            tensors.update({name: view for name, (view, _) in mapped.items()})
-        if from_disk:
-            sources = [r.disk for r in from_disk]
-            views = self.arena.layout([s.nbytes for s in sources if s is not None], side)
-            read_into([s for s in sources if s is not None], views, drop_cache=self.drop_cache)
-            for record, view in zip(from_disk, views, strict=True):
-                assert record.disk is not None
-                value = as_typed(view, record.disk)
+        streamed = 0
+        if plan.mapped is not None:
+            self.files.acquire(plan.mapped)
+            tensors.update(zip(plan.mapped_names, plan.mapped.views, strict=True))
+            streamed += plan.mapped_bytes
+        if plan.staged:
+            sources = [r.disk for r in plan.staged if r.disk is not None]
+            views = self.arena.layout([s.nbytes for s in sources], side)
+            read_into(sources, views, drop_cache=self.drop_cache)
+            for record, source, view in zip(plan.staged, sources, views, strict=True):
+                value = as_typed(view, source)
                 tensors[record.name] = value if value.dtype == record.dtype else value.to(record.dtype)
                 streamed += record.nbytes
-        for record in records:
+        for record in plan.held:
             if record.resident is not None:
                 tensors[record.name] = record.resident
             elif record.host is not None:
@@ -202,22 +207,56 @@ class CopyEngine:
         event = None
         if self.is_cuda:
             tensors, event = self._to_device(tensors)
-        return LoadedPiece(tensors, start, time.perf_counter() - start, streamed, event, mapped)
+        return LoadedPiece(tensors, start, time.perf_counter() - start, streamed, event, plan.mapped)
 
-    def release(self, piece: LoadedPiece, keep: Container[str] = ()) -> None:
-        """Unmap the mapped weights of a piece that ran, except those in ``keep`` (pieces loaded ahead)."""
-        # done on the read-ahead thread, off the compute path, before it loads the next piece: so no more
-        # pieces are mapped than are loaded ahead
-        self._releases.extend(pair for name, pair in piece.mapped.items() if name not in keep)
+    def _plan(self, records: list[WeightRecord], lookups: Container[str]) -> _LoadPlan:
+        """The plan of a load of ``records``: the one made before while their tiers and files are the same."""
+        key = (tuple(r.name for r in records), lookups)
+        tiers = tuple((r.resident is None, r.host is None, r.disk, r.dtype) for r in records)
+        plan = self._plans.get(key)
+        current = plan is not None and plan.tiers == tiers
+        if plan is not None and current and (plan.mapped is None or self.files.is_current(plan.mapped)):
+            return plan
+        in_place: list[WeightRecord] = []
+        staged: list[WeightRecord] = []
+        held: list[WeightRecord] = []
+        for record in {r.name: r for r in records}.values():  # a weight two pieces of a load share: once
+            if streams_from_file(record):
+                (in_place if self.used_in_place(record) else staged).append(record)
+            elif record.resident is not None or record.host is not None:
+                held.append(record)
+        sources = [r.disk for r in in_place if r.disk is not None]
+        mapped = self.files.group(sources, [r.name not in lookups for r in in_place]) if sources else None
+        plan = self._plans[key] = _LoadPlan(
+            tiers=tiers,
+            mapped_names=[r.name for r in in_place],
+            mapped=mapped,
+            mapped_bytes=sum(s.nbytes for s in sources),
+            staged=staged,
+            held=held,
+            kept=[self.kept[r.name][1] for r in held if r.resident is not None and r.name in self.kept],
+        )
+        return plan
 
-    def flush(self) -> None:
-        """Unmap what ``release`` set aside (at the end of a call: no load follows to carry it)."""
+    def release(self, piece: LoadedPiece) -> None:
+        """Unmap the mapped weights of a piece that ran (pages that pieces loaded ahead use stay mapped)."""
+        # done by the next load, before it maps its own piece: so no more pieces are mapped than are
+        # loaded ahead
+        if piece.mapped is not None:
+            self._releases.append(piece.mapped)
+
+    def flush(self, *, inline: bool = False) -> None:
+        """Unmap what ``release`` set aside (at the end of a call: no load follows to carry it); with
+        ``inline``, on the calling thread, so that it is done before the next call loads anything."""
         if self._releases:
             releases, self._releases = self._releases, []
-            self._reader.submit(self._unmap, releases)
+            if inline:
+                self._unmap(releases)
+            else:
+                self._reader.submit(self._unmap, releases)
 
-    def _unmap(self, pairs: list[tuple[torch.Tensor, TensorSlice]]) -> None:
-        self.files.release([v for v, _ in pairs], [s for _, s in pairs], self.drop_cache)
+    def _unmap(self, groups: list[MappedGroup]) -> None:
+        self.files.release_groups(groups, self.drop_cache)
 
     def _to_device(
         self, tensors: dict[str, torch.Tensor]
@@ -258,4 +297,5 @@ class CopyEngine:
         self._reader.shutdown(wait=True, cancel_futures=True)
         self.arena.release()
         self.kept.clear()
+        self._plans.clear()
         self.files.close()

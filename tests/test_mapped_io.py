@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fxoffload_hf
+from fxoffload_hf import mapped_io
 from fxoffload_hf.mapped_io import MappedFiles, _page_ranges, can_map
 from fxoffload_hf.memory import process_status
 from fxoffload_hf.safetensors_io import CheckpointError, read_header
@@ -42,7 +43,7 @@ def test_views_equal_the_saved_tensors_and_survive_release(shard):
     files.populate(list(views.values()))
     for key, view in views.items():
         assert torch.equal(view, tensors[key])
-    files.release(list(views.values()), list(slices.values()), drop_cache=True)
+    files.release(list(views.values()), drop_cache=True)
     for key, view in views.items():  # unmapped pages fault back in from the file
         assert torch.equal(view, tensors[key])
     files.close()
@@ -57,8 +58,44 @@ def test_release_returns_the_mapped_pages(shard):
     files.populate([view])
     mapped = _rss_file()
     assert mapped - before >= 7 * MiB, (before, mapped)
-    files.release([view], [source], drop_cache=False)
+    files.release([view], drop_cache=False)
     assert _rss_file() - before < 3 * MiB
+    files.close()
+
+
+def test_pages_shared_with_a_weight_in_use_stay_mapped(tmp_path, monkeypatch):
+    # weights of 1, 3 and 3 MiB side by side: the last two share a 2 MiB folio (and a page). Unmapping the
+    # middle one must not unmap any page of its neighbours, nor part of a folio (that splits its mapping)
+    path = tmp_path / "three.safetensors"
+    save_file({name: torch.randn(mib * MiB // 4) for name, mib in (("a", 1), ("b", 3), ("c", 3))}, path)
+    expected = load_file(path)
+    slices = read_header(path)
+    files = MappedFiles()
+    a, b, c = (files.view(slices[name]) for name in "abc")
+    unmapped: list[tuple[int, int]] = []
+    madvise = mapped_io._madvise
+
+    def spy(start, length, advice):
+        if advice == mapped_io._MADV_DONTNEED:
+            unmapped.append((start, start + (length + 4095) // 4096 * 4096))
+        return madvise(start, length, advice)
+
+    monkeypatch.setattr(mapped_io, "_madvise", spy)
+    files.populate([a, b, c])
+    files.release([b], drop_cache=False)
+    assert unmapped, "nothing of the released weight was unmapped"
+    for other in (a, c):
+        low, high = other.data_ptr(), other.data_ptr() + other.numel() * 4
+        assert all(end <= low or start >= high for start, end in unmapped), (
+            "a neighbour's pages were unmapped"
+        )
+    mapping_start = b.untyped_storage().data_ptr()
+    assert all((start - mapping_start) % (2 * MiB) == 0 for start, _ in unmapped), "part of a folio unmapped"
+    before = _rss_file()
+    files.release([a, c], drop_cache=False)
+    assert before - _rss_file() >= 3 * MiB, "the last release left pages mapped"
+    for name, view in zip("abc", (a, b, c), strict=True):  # unmapped pages fault back in from the file
+        assert torch.equal(view, expected[name])
     files.close()
 
 
@@ -159,17 +196,16 @@ def test_cpu_streaming_uses_no_staging_copy_and_keeps_residents_mapped(tmp_path)
         # the embedding table is only indexed: its rows are read by the lookup, never faulted in whole
         lookups = set().union(*(e.lookups for e in engine.executors))
         assert lookups == {"model.embed_tokens.weight"}
-        populated: list[int] = []
-        populate = engine.copy.files.populate
-        engine.copy.files.populate = lambda views: (
-            populated.extend(v.data_ptr() for v in views),
-            populate(views),
-        )
+        faulted: list[tuple[int, int]] = []
+        fault = engine.copy.files._fault
+        engine.copy.files._fault = lambda ranges: (faulted.extend(ranges), fault(ranges))
         engine.copy.unkeep("model.embed_tokens.weight")
         engine.store.evict("model.embed_tokens.weight")
         with torch.no_grad():
             assert torch.equal(model(ids).logits, expected)
         table = engine.copy.files.view(engine.store.records["model.embed_tokens.weight"].disk)
-        assert populated and table.data_ptr() not in populated
+        low, high = table.data_ptr(), table.data_ptr() + table.numel() * 4
+        overlap = sum(max(0, min(start + length, high) - max(start, low)) for start, length in faulted)
+        assert faulted and overlap < 2 * 4096  # at most the pages it shares with its neighbours
     finally:
         fxoffload_hf.restore(model)

@@ -212,9 +212,9 @@ def test_loading_several_pieces_ahead_keeps_eager_results(distance, tmp_path):
                 events.append(("load", piece_of[frozenset(r.name for r in records)]))
                 return submit(records, side, lookups, **kwargs)
 
-            def spy_release(piece, keep=()):
+            def spy_release(piece):
                 events.append(("done", piece_of[frozenset(piece.tensors)]))
-                return release(piece, keep)
+                return release(piece)
 
             engine.copy.submit, engine.copy.release = spy_submit, spy_release
             assert torch.equal(_output(model, x), expected)
@@ -224,5 +224,40 @@ def test_loading_several_pieces_ahead_keeps_eager_results(distance, tmp_path):
             if kind == "done":
                 loads_before = sum(1 for k, _ in events[:position] if k == "load")
                 assert loads_before == min(piece + 1 + distance, pieces), (piece, events)
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_inline_loads_bring_consecutive_pieces_in_together_within_the_room(tmp_path):
+    model = build_model("llama")
+    x = example_input("llama")
+    with torch.no_grad():
+        expected = _output(model, x)
+    fxoffload_hf.offload(model, offload_folder=tmp_path, **_tier_budget("llama", "disk", weight_bytes(model)))
+    try:
+        with torch.no_grad():
+            assert torch.equal(_output(model, x), expected)  # the profiled call
+            engine = fxoffload_hf.engine_of(model)
+            (executor,) = engine.executors
+            assert engine.copy.arena.capacity == 0 and len(executor.group_ends) == len(executor.piece_names)
+            loads: list[list[str]] = []
+            submit = engine.copy.submit
+
+            def spy_submit(records, side, lookups=(), **kwargs):
+                assert kwargs.get("inline"), "loads were expected on the calling thread"
+                loads.append([r.name for r in records])
+                return submit(records, side, lookups, **kwargs)
+
+            engine.copy.submit = spy_submit
+            executor.inline_loads = True
+            assert torch.equal(_output(model, x), expected)
+        records = engine.store.records
+        pieces = [list(names) for names in executor.piece_names]
+        assert len(pieces) >= 4 and 1 <= len(loads) < len(pieces)
+        # the loads cover the pieces in order, each piece whole in one load
+        assert [name for load in loads for name in load] == [name for piece in pieces for name in piece]
+        for load in loads:
+            streamed = sum(records[n].nbytes for n in set(load) if records[n].resident is None)
+            assert streamed <= engine.copy.in_flight_bytes
     finally:
         fxoffload_hf.restore(model)

@@ -6,6 +6,7 @@ from fxoffload_hf.schedule import (
     PieceProfile,
     choose_distance,
     choose_resident,
+    load_groups,
     simulated_seconds,
     unhidden_copy_seconds,
     window_bytes,
@@ -87,3 +88,17 @@ def test_window_bytes_is_the_largest_run_of_consecutive_pieces():
     assert window_bytes([5, 1, 1, 9, 2], 3) == 12
     assert window_bytes([5, 1], 4) == 6
     assert window_bytes([], 2) == 0
+
+
+def test_load_groups_fill_the_room_in_order():
+    sizes = [10, 0, 10, 5, 30, 0, 0, 12]
+    ends = load_groups(sizes, room=20)
+    # pieces streaming nothing (resident) join a group for free; a piece larger than the room runs alone
+    assert ends == [3, 3, 3, 4, 5, 8, 8, 8]
+    starts = [0, *sorted(set(ends))[:-1]]
+    for start in starts:
+        group = range(start, ends[start])
+        assert all(ends[i] == ends[start] for i in group)
+        assert sum(sizes[i] for i in group) <= 20 or len(group) == 1
+    assert load_groups([], room=5) == []
+    assert load_groups([0, 0, 0], room=0) == [3, 3, 3]
