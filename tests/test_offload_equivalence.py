@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conftest import build_model, example_input, weight_bytes
@@ -189,8 +191,9 @@ def test_moving_an_offloaded_model_to_another_device_is_refused():
         fxoffload_hf.restore(model)
 
 
-@pytest.mark.parametrize("distance", [1, 3])
-def test_loading_several_pieces_ahead_keeps_eager_results(distance, tmp_path):
+@contextlib.contextmanager
+def _profiled_llama_on_disk(tmp_path):
+    """A tiny Llama offloaded to the disk tier after its profiled call: (model, input, eager output)."""
     model = build_model("llama")
     x = example_input("llama")
     with torch.no_grad():
@@ -198,59 +201,58 @@ def test_loading_several_pieces_ahead_keeps_eager_results(distance, tmp_path):
     fxoffload_hf.offload(model, offload_folder=tmp_path, **_tier_budget("llama", "disk", weight_bytes(model)))
     try:
         with torch.no_grad():
-            assert torch.equal(_output(model, x), expected)  # the profiled call
-            engine = fxoffload_hf.engine_of(model)
-            (executor,) = engine.executors
-            executor.distance = distance
-            executor.inline_loads = False  # loads through the read-ahead thread, as when copies cost
-            piece_of = {frozenset(names): i for i, names in enumerate(executor.piece_names)}
-            assert len(piece_of) == len(executor.piece_names), "pieces must be told apart by their weights"
-            events: list[tuple[str, int]] = []
-            submit, release = engine.copy.submit, engine.copy.release
-
-            def spy_submit(records, side, lookups=(), **kwargs):
-                events.append(("load", piece_of[frozenset(r.name for r in records)]))
-                return submit(records, side, lookups, **kwargs)
-
-            def spy_release(piece):
-                events.append(("done", piece_of[frozenset(piece.tensors)]))
-                return release(piece)
-
-            engine.copy.submit, engine.copy.release = spy_submit, spy_release
             assert torch.equal(_output(model, x), expected)
+        yield model, x, expected
+    finally:
+        fxoffload_hf.restore(model)
+
+
+@pytest.mark.parametrize("distance", [1, 3])
+def test_loading_several_pieces_ahead_keeps_eager_results(distance, tmp_path):
+    with _profiled_llama_on_disk(tmp_path) as (model, x, expected), torch.no_grad():
+        engine = fxoffload_hf.engine_of(model)
+        (executor,) = engine.executors
+        executor.distance = distance
+        executor.inline_loads = False  # loads through the read-ahead thread, as when copies cost
+        piece_of = {frozenset(names): i for i, names in enumerate(executor.piece_names)}
+        assert len(piece_of) == len(executor.piece_names), "pieces must be told apart by their weights"
+        events: list[tuple[str, int]] = []
+        submit, release = engine.copy.submit, engine.copy.release
+
+        def spy_submit(records, side, lookups=(), **kwargs):
+            events.append(("load", piece_of[frozenset(r.name for r in records)]))
+            return submit(records, side, lookups, **kwargs)
+
+        def spy_release(piece):
+            events.append(("done", piece_of[frozenset(piece.tensors)]))
+            return release(piece)
+
+        engine.copy.submit, engine.copy.release = spy_submit, spy_release
+        assert torch.equal(_output(model, x), expected)
         pieces = len(executor.piece_names)
         assert pieces >= 4
         for position, (kind, piece) in enumerate(events):
             if kind == "done":
                 loads_before = sum(1 for k, _ in events[:position] if k == "load")
                 assert loads_before == min(piece + 1 + distance, pieces), (piece, events)
-    finally:
-        fxoffload_hf.restore(model)
 
 
 def test_inline_loads_bring_consecutive_pieces_in_together_within_the_room(tmp_path):
-    model = build_model("llama")
-    x = example_input("llama")
-    with torch.no_grad():
-        expected = _output(model, x)
-    fxoffload_hf.offload(model, offload_folder=tmp_path, **_tier_budget("llama", "disk", weight_bytes(model)))
-    try:
-        with torch.no_grad():
-            assert torch.equal(_output(model, x), expected)  # the profiled call
-            engine = fxoffload_hf.engine_of(model)
-            (executor,) = engine.executors
-            assert engine.copy.arena.capacity == 0 and len(executor.group_ends) == len(executor.piece_names)
-            loads: list[list[str]] = []
-            submit = engine.copy.submit
+    with _profiled_llama_on_disk(tmp_path) as (model, x, expected), torch.no_grad():
+        engine = fxoffload_hf.engine_of(model)
+        (executor,) = engine.executors
+        assert engine.copy.arena.capacity == 0 and len(executor.group_ends) == len(executor.piece_names)
+        loads: list[list[str]] = []
+        submit = engine.copy.submit
 
-            def spy_submit(records, side, lookups=(), **kwargs):
-                assert kwargs.get("inline"), "loads were expected on the calling thread"
-                loads.append([r.name for r in records])
-                return submit(records, side, lookups, **kwargs)
+        def spy_submit(records, side, lookups=(), **kwargs):
+            assert kwargs.get("inline"), "loads were expected on the calling thread"
+            loads.append([r.name for r in records])
+            return submit(records, side, lookups, **kwargs)
 
-            engine.copy.submit = spy_submit
-            executor.inline_loads = True
-            assert torch.equal(_output(model, x), expected)
+        engine.copy.submit = spy_submit
+        executor.inline_loads = True
+        assert torch.equal(_output(model, x), expected)
         records = engine.store.records
         pieces = [list(names) for names in executor.piece_names]
         assert len(pieces) >= 4 and 1 <= len(loads) < len(pieces)
@@ -259,5 +261,3 @@ def test_inline_loads_bring_consecutive_pieces_in_together_within_the_room(tmp_p
         for load in loads:
             streamed = sum(records[n].nbytes for n in set(load) if records[n].resident is None)
             assert streamed <= engine.copy.in_flight_bytes
-    finally:
-        fxoffload_hf.restore(model)
