@@ -91,12 +91,7 @@ def run_generation(
         "tokens": tokens[0].tolist(),
     }
     if mode != "eager":
-        engine = fxoffload_hf.engine_of(model)
-        result["stats"] = engine.stats.as_dict()
-        result["store"] = engine.store.summary()
-        result["pieces"] = [len(e.piece_bytes) for e in engine.executors]
-        result["arena_bytes"] = engine.copy.arena.capacity
-        result["in_flight_bytes"] = engine.copy.in_flight_bytes
+        result.update(fxoffload_hf.engine_of(model).report())
     return result
 
 

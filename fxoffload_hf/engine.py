@@ -246,6 +246,16 @@ class Engine:
             grouped = not staged and self.device.type == "cpu"
             executor.group_ends = load_groups(streamed_pieces, in_flight) if grouped else []
 
+    def report(self) -> dict[str, Any]:
+        """What the engine did and holds, for benchmarks and the command line (plain values only)."""
+        return {
+            "stats": self.stats.as_dict(),
+            "store": self.store.summary(),
+            "pieces": [len(e.piece_bytes) for e in self.executors],
+            "arena_bytes": self.copy.arena.capacity,
+            "in_flight_bytes": self.copy.in_flight_bytes,
+        }
+
     def close(self) -> None:
         self.copy.close()
         self.executors.clear()
