@@ -10,7 +10,7 @@ from typing import Any
 
 from fxoffload_hf.api import engine_of, offload, restore
 from fxoffload_hf.config import OffloadConfig, parse_budget
-from fxoffload_hf.partition import BudgetTooSmallError
+from fxoffload_hf.memory_model import BudgetTooSmallError
 from fxoffload_hf.safetensors_io import CheckpointError
 
 __version__ = "0.1.0"

@@ -1,4 +1,8 @@
-"""The public API: ``offload(model, ...)`` and ``restore(model)``."""
+"""The public API: ``offload(model, ...)`` and ``restore(model)``.
+
+``offload`` is a short list of install steps; each change it makes to the model is written down as a
+named undo record as it is made, and ``restore`` (or a failed install) undoes them in reverse.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -25,24 +29,98 @@ from fxoffload_hf.capture import (
 )
 from fxoffload_hf.config import BudgetSpec, OffloadConfig
 from fxoffload_hf.engine import Engine
-from fxoffload_hf.memory import format_bytes, tensor_nbytes
+from fxoffload_hf.memory import memory_limit, tensor_nbytes
+from fxoffload_hf.memory_model import MemoryModel
 from fxoffload_hf.safetensors_io import CheckpointError, TensorSlice
 from fxoffload_hf.weights import WeightStore
 
 STATE_ATTR = "_fxoffload_state"
 
+Uses = list[tuple[nn.Module, str, str]]  # every (module, attribute, dotted name) holding one parameter
+
+
+class Undo(Protocol):
+    def undo(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class SwappedParameter:
+    """A parameter slot given another tensor (a ghost, or a small weight moved to the device)."""
+
+    module: nn.Module
+    attr: str
+    original: nn.Parameter
+
+    def undo(self) -> None:
+        self.module._parameters[self.attr] = self.original
+
+
+@dataclass(frozen=True)
+class StoredParameter:
+    """An offloaded parameter whose values the store holds (the only copy): they are given back to it."""
+
+    original: nn.Parameter
+    store: WeightStore
+    name: str
+
+    def undo(self) -> None:
+        record = self.store.records.get(self.name)
+        if record is not None and record.host is not None:
+            self.original.data = record.host  # the same tensor, unless model.to(dtype) converted it
+        elif record is not None and self.original.device.type != "meta":
+            self.original.data = self.store.read(record).clone()
+
+
+@dataclass(frozen=True)
+class MovedBuffer:
+    module: nn.Module
+    attr: str
+    original: torch.Tensor
+
+    def undo(self) -> None:
+        self.module._buffers[self.attr] = self.original
+
+
+@dataclass(frozen=True)
+class PatchedAttribute:
+    """A method set on an instance (an entry point, a module's ``_apply``)."""
+
+    owner: Any
+    attr: str
+    had_own: bool
+    old: Any
+
+    def undo(self) -> None:
+        if self.had_own:
+            setattr(self.owner, self.attr, self.old)
+        else:
+            self.owner.__dict__.pop(self.attr, None)
+
+
+@dataclass(frozen=True)
+class AttachedHook:
+    handle: Any  # torch.utils.hooks.RemovableHandle
+
+    def undo(self) -> None:
+        self.handle.remove()
+
+
+@dataclass(frozen=True)
+class OwnedFolder:
+    """A folder made for this model (by an integration), removed with it."""
+
+    path: Path
+
+    def undo(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
 
 @dataclass
 class _OffloadState:
-    """Everything ``restore`` needs to put the model back as it was."""
+    """The engine of an offloaded model and the undo records of its install, in the order made."""
 
     engine: Engine
-    params: list[tuple[nn.Module, str, nn.Parameter, str]]  # owner, attribute, original, record name
-    moved_buffers: list[tuple[nn.Module, str, torch.Tensor]]
-    moved_params: list[tuple[nn.Module, str, nn.Parameter]]
-    entries: list[tuple[nn.Module, str, bool, Any]]  # module, method name, had own attribute, old value
-    hooks: list[Any] = field(default_factory=list)
-    temp_folder: Path | None = None  # a folder an integration made for this model, removed by restore
+    undo: list[Undo] = field(default_factory=list)
 
 
 def offload(
@@ -77,7 +155,7 @@ def offload(
 
     Raises:
         ValueError: a bad budget or device, a model that is already offloaded, or a weight larger
-            than the budget allows (the message gives the smallest budget that works).
+            than the budget allows (``BudgetTooSmallError``: the message gives the smallest budget that works).
     """
     if getattr(model, STATE_ATTR, None) is not None:
         raise ValueError("this model is already offloaded; call fxoffload_hf.restore(model) first")
@@ -90,86 +168,33 @@ def offload(
         compile=compile,
     )
     checkpoint = checkpoint or {}
-    store = WeightStore(config.device)
-    owners = _parameter_owners(model)
-    large: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]], str]] = []
-    small: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]], str]] = []
-    for param, uses in owners.items():
-        name = uses[0][2]
-        on_meta = param.device.type == "meta"
-        if on_meta and name not in checkpoint:
-            raise ValueError(
-                f"parameter {name!r} is on the meta device and no checkpoint file holds it; "
-                "load the model's weights first, or load it with fxoffload_hf.from_pretrained"
-            )
-        (large if tensor_nbytes(param) >= config.resident_threshold else small).append((param, uses, name))
-
-    moved_params: list[tuple[nn.Module, str, nn.Parameter]] = []
-    fixed = 0
-    for param, uses, name in small:
-        value = param.data
-        if param.device.type == "meta":
-            value = store.read(store.add_disk(name, checkpoint[name], param.dtype))
-            del store.records[name]
-        if value.device != config.device:
-            value = value.to(config.device)
-        if value is not param.data:
-            replacement = nn.Parameter(value, requires_grad=param.requires_grad)
-            for module, attr, _full in uses:
-                moved_params.append((module, attr, param))
-                module._parameters[attr] = replacement
-        fixed += tensor_nbytes(param)
-    moved_buffers = []
-    for module in model.modules():
-        for bname, buf in module._buffers.items():
-            if buf is None:
-                continue
-            if buf.device != config.device:
-                moved_buffers.append((module, bname, buf))
-                module._buffers[bname] = buf.to(config.device)
-            fixed += tensor_nbytes(buf)
-
-    state = _OffloadState(Engine(config, store, fixed), [], moved_buffers, moved_params, [])
+    large, small = _split_parameters(model, config, checkpoint)
+    undo: list[Undo] = []
+    store = WeightStore(config.device, drop_cache=memory_limit() is not None)
+    engine: Engine | None = None
     try:
-        for param, uses, name in large:
-            if param.device.type == "meta":
-                store.add_disk(name, checkpoint[name], param.dtype)
-            else:
-                store.add_host(name, param.data)
-            for _module, _attr, alias in uses[1:]:
-                store.add_alias(name, alias)
-        _check_fits(state.engine, [r.footprint for r in store.records.values()])
-        host_names = [n for n, r in store.records.items() if r.host is not None]
-        host_bytes = sum(store.records[n].nbytes for n in host_names)
-        if config.cpu_memory is not None and host_bytes > config.cpu_memory - fixed:
-            store.spill_to_disk(host_names, store.spill_folder(config.offload_folder))
+        fixed = _move_small_parameters(small, store, checkpoint, config.device, undo)
+        fixed += _move_buffers(model, config.device, undo)
+        memory = MemoryModel.where_it_computes(
+            config.device.type, config.gpu_memory, config.cpu_memory, fixed
+        )
+        engine = Engine(config, store, memory)
+        _store_weights(large, store, checkpoint)
+        memory.check_weights(r.footprint for r in store.records.values())
+        _spill_what_ram_cannot_hold(store, config, fixed)
         if config.device.type == "cuda":
             store.pin_host_memory()
-        for param, uses, name in large:
-            record = store.records[name]
-            ghost = make_ghost(param.shape, param.dtype, config.device)
-            setattr(ghost, HANDLE_ATTR, GhostHandle(state.engine, record))
-            for module, attr, _alias in uses:
-                state.params.append((module, attr, param, name))
-                module._parameters[attr] = ghost
-            shares_host = record.host is not None and record.host.data_ptr() == param.data_ptr()
-            if shares_host:
-                store.sharers.setdefault(name, []).append(param)
-            elif param.device.type != "meta":
-                param.data = torch.empty(0, dtype=param.dtype)  # the store holds the only copy
-        for module in {m for m, *_ in state.params}:
-            state.hooks.append(module.register_forward_pre_hook(guard_hook))
-            state.entries.append(
-                (module, "_apply", "_apply" in module.__dict__, module.__dict__.get("_apply"))
-            )
-            module._apply = guarded_apply(module)  # type: ignore[method-assign]
-        state.hooks.append(model.register_load_state_dict_pre_hook(refuse_state_dict_load))
+        holders = _install_ghosts(large, store, config.device, undo)
+        _guard_modules(model, holders, undo)
         for entry in entry_points:
-            _wrap_entry(model, entry, state)
+            _wrap_entry(model, entry, engine, undo)
     except BaseException:
-        _undo(model, state)
+        _undo(undo)
+        if engine is not None:
+            engine.close()
+        store.close()
         raise
-    setattr(model, STATE_ATTR, state)
+    setattr(model, STATE_ATTR, _OffloadState(engine, undo))
     return model
 
 
@@ -179,83 +204,156 @@ def restore(model: nn.Module) -> nn.Module:
     state: _OffloadState | None = getattr(model, STATE_ATTR, None)
     if state is None:
         raise ValueError("this model is not offloaded by fxoffload_hf")
-    _undo(model, state)
+    _undo(state.undo)
+    state.engine.close()
+    state.engine.store.close()
     delattr(model, STATE_ATTR)
+    torch._dynamo.reset()
     return model
 
 
 def engine_of(model: nn.Module) -> Engine:
     """The engine of an offloaded model (for statistics and plans)."""
+    return _state_of(model).engine
+
+
+def remove_on_restore(model: nn.Module, folder: Path) -> None:
+    """Have ``restore`` remove ``folder`` (made for this offloaded model by an integration)."""
+    _state_of(model).undo.append(OwnedFolder(folder))
+
+
+def _state_of(model: nn.Module) -> _OffloadState:
     state: _OffloadState | None = getattr(model, STATE_ATTR, None)
     if state is None:
         raise ValueError("this model is not offloaded by fxoffload_hf")
-    return state.engine
+    return state
 
 
-def _undo(model: nn.Module, state: _OffloadState) -> None:
-    store = state.engine.store
-    for module, attr, had_own, old in reversed(state.entries):
-        if had_own:
-            setattr(module, attr, old)
-        else:
-            module.__dict__.pop(attr, None)
-    for hook in state.hooks:
-        hook.remove()
-    for module, attr, original, name in state.params:
-        record = store.records.get(name)
-        if record is not None and record.host is not None:
-            original.data = record.host  # the same tensor, unless model.to(dtype) converted it
-        elif record is not None and original.device.type != "meta":
-            original.data = store.read(record).clone()
-        module._parameters[attr] = original
-    for module, attr, original_param in state.moved_params:
-        module._parameters[attr] = original_param
-    for module, bname, buf in state.moved_buffers:
-        module._buffers[bname] = buf
-    state.engine.close()
-    store.close()
-    if state.temp_folder is not None:
-        shutil.rmtree(state.temp_folder, ignore_errors=True)
-    torch._dynamo.reset()
+def _undo(records: list[Undo]) -> None:
+    while records:
+        records.pop().undo()
 
 
-def _parameter_owners(model: nn.Module) -> dict[nn.Parameter, list[tuple[nn.Module, str, str]]]:
-    """Each distinct parameter with every (module, attribute, dotted name) that holds it: tied ones once."""
-    owners: dict[nn.Parameter, list[tuple[nn.Module, str, str]]] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for attr, param in module._parameters.items():
-            if param is None:
+# -- install steps, in order ------------------------------------------------------------------------
+def _split_parameters(
+    model: nn.Module, config: OffloadConfig, checkpoint: Mapping[str, TensorSlice]
+) -> tuple[list[tuple[nn.Parameter, Uses]], list[tuple[nn.Parameter, Uses]]]:
+    """The model's distinct parameters, large ones (offloaded) and small ones (kept on the device)."""
+    large: list[tuple[nn.Parameter, Uses]] = []
+    small: list[tuple[nn.Parameter, Uses]] = []
+    for param, uses in _parameter_owners(model).items():
+        name = uses[0][2]
+        if param.device.type == "meta" and name not in checkpoint:
+            raise ValueError(
+                f"parameter {name!r} is on the meta device and no checkpoint file holds it; "
+                "load the model's weights first, or load it with fxoffload_hf.from_pretrained"
+            )
+        (large if tensor_nbytes(param) >= config.resident_threshold else small).append((param, uses))
+    return large, small
+
+
+def _move_small_parameters(
+    small: list[tuple[nn.Parameter, Uses]],
+    store: WeightStore,
+    checkpoint: Mapping[str, TensorSlice],
+    device: torch.device,
+    undo: list[Undo],
+) -> int:
+    """Put the small parameters on the compute device for good; their bytes."""
+    fixed = 0
+    for param, uses in small:
+        value = param.data
+        if param.device.type == "meta":
+            value = store.read_source(checkpoint[uses[0][2]], param.dtype)
+        if value.device != device:
+            value = value.to(device)
+        if value is not param.data:
+            replacement = nn.Parameter(value, requires_grad=param.requires_grad)
+            for module, attr, _name in uses:
+                undo.append(SwappedParameter(module, attr, param))
+                module._parameters[attr] = replacement
+        fixed += tensor_nbytes(param)
+    return fixed
+
+
+def _move_buffers(model: nn.Module, device: torch.device, undo: list[Undo]) -> int:
+    """Put every buffer on the compute device; their bytes."""
+    fixed = 0
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is None:
                 continue
-            full = f"{module_name}.{attr}" if module_name else attr
-            uses = owners.setdefault(param, [])
-            if all(m is not module or a != attr for m, a, _ in uses):
-                uses.append((module, attr, full))
-    return owners
+            if buf.device != device:
+                undo.append(MovedBuffer(module, name, buf))
+                module._buffers[name] = buf.to(device)
+            fixed += tensor_nbytes(buf)
+    return fixed
 
 
-def _check_fits(engine: Engine, sizes: list[int]) -> None:
-    """Refuse up front a budget that cannot hold two of the largest weights (activations come later)."""
-    budget = engine.budget
-    if budget is None or not sizes:
-        return
-    smallest = engine.smallest_budget(max(sizes), 0)
-    if smallest > budget:
-        raise ValueError(
-            f"{engine.budget_name}={format_bytes(budget)} is too small: the largest weight takes "
-            f"{format_bytes(max(sizes))} and two must fit at once beside {format_bytes(engine.fixed_bytes)} of "
-            f"small resident tensors; pass {engine.budget_name}={smallest} or more (plus room for activations)"
+def _store_weights(
+    large: list[tuple[nn.Parameter, Uses]], store: WeightStore, checkpoint: Mapping[str, TensorSlice]
+) -> None:
+    """Record each large parameter in the store: in RAM as it is, or where the checkpoint holds it."""
+    for param, uses in large:
+        name = uses[0][2]
+        if param.device.type == "meta":
+            store.add_disk(name, checkpoint[name], param.dtype)
+        else:
+            store.add_host(name, param.data)
+        for _module, _attr, alias in uses[1:]:
+            store.add_alias(name, alias)
+
+
+def _spill_what_ram_cannot_hold(store: WeightStore, config: OffloadConfig, fixed: int) -> None:
+    """Under ``cpu_memory``, weights in RAM that do not fit it go to disk (the offload folder)."""
+    in_ram = [n for n, r in store.records.items() if r.host is not None]
+    host = MemoryModel(config.cpu_memory, "cpu_memory", fixed)
+    if in_ram and not host.fits(resident=sum(store.records[n].nbytes for n in in_ram)):
+        store.spill(in_ram, store.spill_folder(config.offload_folder))
+
+
+def _install_ghosts(
+    large: list[tuple[nn.Parameter, Uses]], store: WeightStore, device: torch.device, undo: list[Undo]
+) -> set[nn.Module]:
+    """Stand a ghost in for every offloaded parameter; the store keeps the only copy of its values.
+    Returns the modules that hold ghosts."""
+    holders: set[nn.Module] = set()
+    for param, uses in large:
+        name = uses[0][2]
+        record = store.records[name]
+        undo.append(StoredParameter(param, store, name))
+        ghost = make_ghost(param.shape, param.dtype, device)
+        setattr(ghost, HANDLE_ATTR, GhostHandle(store, record))
+        for module, attr, _alias in uses:
+            undo.append(SwappedParameter(module, attr, param))
+            module._parameters[attr] = ghost
+            holders.add(module)
+        if record.host is not None and record.host.data_ptr() == param.data_ptr():
+            store.sharers.setdefault(name, []).append(param)  # emptied if its weight is spilled
+        elif param.device.type != "meta":
+            param.data = torch.empty(0, dtype=param.dtype)
+    return holders
+
+
+def _guard_modules(model: nn.Module, holders: set[nn.Module], undo: list[Undo]) -> None:
+    """Refuse eager calls of modules holding ghosts, convert ghosts on ``.to()``, refuse state-dict loads."""
+    for module in holders:
+        undo.append(AttachedHook(module.register_forward_pre_hook(guard_hook)))
+        undo.append(
+            PatchedAttribute(module, "_apply", "_apply" in module.__dict__, module.__dict__.get("_apply"))
         )
+        module._apply = guarded_apply(module)  # type: ignore[method-assign]
+    undo.append(AttachedHook(model.register_load_state_dict_pre_hook(refuse_state_dict_load)))
 
 
-def _wrap_entry(model: nn.Module, entry: str, state: _OffloadState) -> None:
+def _wrap_entry(model: nn.Module, entry: str, engine: Engine, undo: list[Undo]) -> None:
+    """Route ``model.<entry>`` through the engine (compiled with it as the backend)."""
     target = model
     for part in entry.split(".")[:-1]:
         target = getattr(target, part)
     attr = entry.split(".")[-1]
-    had_own = attr in target.__dict__
     original = getattr(target, attr)
-    compiled = compile_entry(original, state.engine)
-    engine = state.engine
+    compiled = compile_entry(original, engine)
 
     @functools.wraps(original)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -272,8 +370,22 @@ def _wrap_entry(model: nn.Module, entry: str, state: _OffloadState) -> None:
                     raise inner from None
                 raise
 
-    state.entries.append((target, attr, had_own, target.__dict__.get(attr)))
+    undo.append(PatchedAttribute(target, attr, attr in target.__dict__, target.__dict__.get(attr)))
     setattr(target, attr, run)
 
 
-__all__ = ["offload", "restore", "engine_of", "CheckpointError"]
+def _parameter_owners(model: nn.Module) -> dict[nn.Parameter, Uses]:
+    """Each distinct parameter with every (module, attribute, dotted name) that holds it: tied ones once."""
+    owners: dict[nn.Parameter, Uses] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is None:
+                continue
+            full = f"{module_name}.{attr}" if module_name else attr
+            uses = owners.setdefault(param, [])
+            if all(m is not module or a != attr for m, a, _ in uses):
+                uses.append((module, attr, full))
+    return owners
+
+
+__all__ = ["offload", "restore", "engine_of", "remove_on_restore", "CheckpointError"]

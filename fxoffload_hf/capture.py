@@ -12,15 +12,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from fxoffload_hf.weights import WeightRecord
-
-if TYPE_CHECKING:
-    from fxoffload_hf.engine import Engine
+from fxoffload_hf.weights import WeightRecord, WeightStore
 
 HANDLE_ATTR = "_fxoffload_handle"
 _SUCCESSOR_ATTR = "_fxoffload_successor"
@@ -29,9 +26,9 @@ _inside = threading.local()
 
 @dataclass(frozen=True)
 class GhostHandle:
-    """Attached to a ghost: the engine and the record of the weight it stands for."""
+    """Attached to a ghost: the store and the record of the weight it stands for."""
 
-    engine: Engine
+    store: WeightStore
     record: WeightRecord
 
 
@@ -65,7 +62,7 @@ def convert_ghosts(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]
             continue
         successor = getattr(ghost, _SUCCESSOR_ATTR, None)
         if successor is None or successor.dtype != probe.dtype:
-            handle.engine.store.set_dtype(handle.record.name, probe.dtype)
+            handle.store.set_dtype(handle.record.name, probe.dtype)
             successor = make_ghost(ghost.shape, probe.dtype, ghost.device)
             setattr(successor, HANDLE_ATTR, handle)
             setattr(ghost, _SUCCESSOR_ATTR, successor)  # tied uses elsewhere pick up the same ghost
@@ -97,40 +94,6 @@ def refuse_state_dict_load(module: nn.Module, *args: Any, **kwargs: Any) -> None
         "load_state_dict into a model offloaded by fxoffload_hf is not supported: load the weights first and "
         "offload afterwards, or call fxoffload_hf.restore(model) before loading"
     )
-
-
-def capture_device(example_inputs: list[Any]) -> torch.device | None:
-    """The device the graph was traced on: that of its first tensor input."""
-    for value in example_inputs:
-        if isinstance(value, torch.Tensor):
-            return value.device
-    return None
-
-
-def retarget_devices(graph: torch.fx.Graph, source: torch.device, target: torch.device) -> int:
-    """Rewrite device constants baked into ``graph`` (``device=`` arguments) from ``source`` to ``target``.
-
-    Returns how many arguments changed. Only ``source`` is rewritten: a constant naming another device
-    (say, a deliberate CPU tensor in a GPU graph) stays as it is.
-    """
-
-    def swap(value: Any) -> Any:
-        if isinstance(value, torch.device | str) and value != "meta":
-            try:
-                if torch.device(value) == source:
-                    return target
-            except RuntimeError:
-                return value
-        return value
-
-    changed = 0
-    for node in graph.nodes:
-        if "device" in node.kwargs:
-            new = swap(node.kwargs["device"])
-            if new is not node.kwargs["device"]:
-                node.kwargs = {**node.kwargs, "device": new}
-                changed += 1
-    return changed
 
 
 def handle_of(value: Any) -> GhostHandle | None:

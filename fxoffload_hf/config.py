@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from fxoffload_hf import memory
+from fxoffload_hf.memory import free_device_memory, free_host_memory
 
 _UNITS = {
     "": 1,
@@ -142,14 +142,14 @@ class OffloadConfig:
             raise ValueError(f"policy: {policy!r} is not one of {POLICIES}")
         if compile not in COMPILE_BACKENDS:
             raise ValueError(f"compile: {compile!r} is not one of {COMPILE_BACKENDS}")
-        gpu_free = memory.free_device_memory(dev) if dev.type == "cuda" else memory.free_host_memory()
+        gpu_free = free_device_memory(dev) if dev.type == "cuda" else free_host_memory()
         gpu_budget = parse_budget(gpu_memory, free_bytes=gpu_free, what="gpu_memory")
         if gpu_budget is None and dev.type == "cuda":
             gpu_budget = int(gpu_free * DEFAULT_GPU_SHARE)  # leave room for the CUDA context and others
         return cls(
             device=dev,
             gpu_memory=gpu_budget,
-            cpu_memory=parse_budget(cpu_memory, free_bytes=memory.free_host_memory(), what="cpu_memory"),
+            cpu_memory=parse_budget(cpu_memory, free_bytes=free_host_memory(), what="cpu_memory"),
             offload_folder=Path(offload_folder) if offload_folder is not None else None,
             policy=policy,
             compile=compile,

@@ -1,34 +1,39 @@
-"""The engine of one offloaded model: its store, copy engine, budget, schedule and statistics.
+"""The engine of one offloaded model: the ``torch.compile`` backend that turns each captured graph into a
+runner, and the owner of the model's plan.
 
-It is the ``torch.compile`` backend for the model (each captured graph gets a ``GraphExecutor``) and
-the single source of truth for the budget every graph of the model shares.
+Data flows one way: capture gives a graph; ``graphs`` measures it; ``planner`` partitions it and plans
+every graph's loads for the weights' current tiers; ``program`` cuts it; ``runner`` runs the plan. A
+graph's first call is profiled by an observer; its measurements go back through the planner (which
+weights stay, how far ahead to load), the store moves the weights, and a new plan is swapped in whole.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch import fx
 
 from fxoffload_hf.config import OffloadConfig
-from fxoffload_hf.executor import GraphExecutor, TraceEvent
-from fxoffload_hf.memory import format_bytes, return_large_frees_to_the_os
-from fxoffload_hf.partition import BudgetTooSmallError, Partition, partition_graph
-from fxoffload_hf.schedule import (
-    PieceProfile,
-    choose_distance,
-    choose_resident,
-    load_groups,
-    window_bytes,
-)
-from fxoffload_hf.transfer import CopyEngine, arena_bytes, piece_arena_bytes, streams_from_file
+from fxoffload_hf.graphs import capture_device, graph_facts, retarget_devices
+from fxoffload_hf.loaders import DeviceOps, InlineReader, ThreadedReader, make_loader
+from fxoffload_hf.memory import return_large_frees_to_the_os
+from fxoffload_hf.memory_model import MemoryModel
+from fxoffload_hf.observers import Profiler
+from fxoffload_hf.partition import Partition
+from fxoffload_hf.planner import GraphInput, ModelPlan, choose_residents, partition_for_budget, plan_model
+from fxoffload_hf.program import build_program
+from fxoffload_hf.runner import CallMeasure, GraphRunner, Observer
 from fxoffload_hf.weights import WeightStore
 
-# the free budget is split this many ways into piece targets: under "auto" two pieces in flight take a
-# quarter of it and the rest can stay resident; under "sequential" two pieces take all of it
-_PIECE_DIVISOR = {"auto": 8, "sequential": 2}
+# loads run inline when the last call's loads took less than this share of its compute: 5% to start
+# loading inline, 20% to go back to the read-ahead thread (a margin either way, so the choice does not
+# flicker)
+_INLINE_SHARE = {False: 0.05, True: 0.2}
 
 
 @dataclass
@@ -42,14 +47,12 @@ class Stats:
     wait_seconds: float = 0.0
     graphs: int = 0
 
-    def add_piece(self, streamed: int, seconds: float) -> None:
-        self.pieces_run += 1
-        self.bytes_streamed += streamed
-        self.copy_seconds += seconds if streamed else 0.0
-
-    def add_call(self, wait_seconds: float) -> None:
+    def add_call(self, measure: CallMeasure) -> None:
         self.calls += 1
-        self.wait_seconds += wait_seconds
+        self.pieces_run += measure.pieces
+        self.bytes_streamed += measure.streamed_bytes
+        self.copy_seconds += measure.streamed_copy_seconds
+        self.wait_seconds += measure.wait_seconds
 
     @property
     def hidden_copy_share(self) -> float:
@@ -73,189 +76,176 @@ class Stats:
 class Engine:
     """Offload engine of one model; call it as a ``torch.compile`` backend."""
 
-    def __init__(self, config: OffloadConfig, store: WeightStore, fixed_bytes: int = 0) -> None:
+    def __init__(
+        self, config: OffloadConfig, store: WeightStore, memory: MemoryModel, ops: DeviceOps | None = None
+    ) -> None:
         self.config = config
         self.store = store
+        self.memory = memory
         self.device = config.device
-        self.fixed_bytes = fixed_bytes  # small parameters and buffers kept on the device
-        self.copy = CopyEngine(config.device)
-        if self.budget is not None:
+        self.loader = make_loader(store, config.device, ops)
+        self._threaded = ThreadedReader()
+        self._inline = InlineReader()
+        if memory.budget is not None:
             return_large_frees_to_the_os()
         self.lock = threading.RLock()
         self.stats = Stats()
-        self.executors: list[GraphExecutor] = []
-        self.trace: list[TraceEvent] | None = None  # a list while a timeline is being recorded
-
-    # -- budget ---------------------------------------------------------------------------------
-    @property
-    def budget(self) -> int | None:
-        """Bytes the engine may hold where the model computes (None: no limit)."""
-        cfg = self.config
-        if self.device.type == "cuda":
-            return cfg.gpu_memory
-        return cfg.cpu_memory if cfg.cpu_memory is not None else cfg.gpu_memory
-
-    @property
-    def budget_name(self) -> str:
-        if self.device.type == "cpu" and self.config.cpu_memory is not None:
-            return "cpu_memory"
-        return "gpu_memory"
-
-    def smallest_budget(self, largest_atom: int, activation_bytes: int) -> int:
-        return self.fixed_bytes + activation_bytes + 2 * piece_arena_bytes([largest_atom])
-
-    def partition(
-        self, graph: fx.Graph, weight_bytes: dict[fx.Node, int], activation_bytes: int
-    ) -> Partition:
-        """Partition a captured graph for this model's budget.
-
-        Raises:
-            BudgetTooSmallError: the budget cannot hold two of the largest unsplittable weight groups plus
-                the activations; the message names the smallest budget that works.
-        """
-        budget = self.budget
-        if budget is None:
-            return partition_graph(graph, weight_bytes, max(sum(weight_bytes.values()), 1))
-        available = budget - self.fixed_bytes - activation_bytes
-        target = max(available // _PIECE_DIVISOR[self.config.policy], 1)
-        try:
-            # an unsplittable group larger than the target sits alone in its piece, as long as two such
-            # pieces could still be in flight together
-            result = partition_graph(graph, weight_bytes, target, max_atom=max(available // 2, target))
-        except BudgetTooSmallError as exc:
-            smallest = self.smallest_budget(exc.smallest_budget, activation_bytes)
-            raise self._too_small(exc, smallest, activation_bytes) from None
-        need = (
-            self.fixed_bytes
-            + activation_bytes
-            + arena_bytes([piece_arena_bytes([weight_bytes[w] for w in p.weights]) for p in result.pieces])
-        )
-        if need > budget:
-            smallest = self.smallest_budget(result.largest_atom_bytes, activation_bytes)
-            if smallest > budget:
-                raise self._too_small(BudgetTooSmallError("", smallest), smallest, activation_bytes)
-            result = partition_graph(graph, weight_bytes, result.largest_atom_bytes)
-        return result
-
-    def _too_small(
-        self, exc: BudgetTooSmallError, smallest: int, activation_bytes: int
-    ) -> BudgetTooSmallError:
-        detail = f" ({exc})" if str(exc) else ""
-        return BudgetTooSmallError(
-            f"{self.budget_name}={format_bytes(self.budget)} is too small for this model{detail}. "
-            f"Two pieces in flight, {format_bytes(activation_bytes)} of activations and "
-            f"{format_bytes(self.fixed_bytes)} of resident small tensors need at least "
-            f"{format_bytes(smallest)}: pass {self.budget_name}={smallest} or more",
-            smallest_budget=smallest,
-        )
+        self.runners: list[GraphRunner] = []
+        self.partitions: list[Partition] = []  # of each graph (sizes only: their nodes are dropped)
+        self.activation_bytes: list[int] = []  # of each graph
+        self.weight_sizes: dict[str, int] = {}
+        self.observers: tuple[Observer, ...] = ()  # watching every runner (timelines)
+        self._inputs: list[GraphInput] = []
+        self._inline_now: list[bool] = []  # per graph: running its inline schedule
+        self.plan: ModelPlan | None = None
 
     # -- backend --------------------------------------------------------------------------------
-    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> GraphExecutor:
-        """The ``torch.compile`` backend entry: one executor per captured graph."""
-        return GraphExecutor(gm, example_inputs, self)
-
-    def register(self, executor: GraphExecutor) -> None:
-        self.executors.append(executor)
-        self.stats.graphs = len(self.executors)
-        self._make_room_for_activations(executor.activation_bytes)
-        self._reserve_arena()
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> _GraphEntry:
+        """The ``torch.compile`` backend entry: one runner per captured graph."""
+        traced_on = capture_device(example_inputs)
+        if traced_on is not None and traced_on != self.device:
+            retarget_devices(gm.graph, traced_on, self.device)
+            gm.recompile()
+        facts = graph_facts(gm, example_inputs)
+        self._make_room_for_activations(facts.activation_bytes)
+        partition = partition_for_budget(
+            gm.graph, facts.weight_bytes, facts.activation_bytes, self.memory, self.config.policy
+        )
+        program = build_program(gm, partition, facts, self.config.compile)
+        partition.forget_nodes()
+        self.weight_sizes.update({facts.names[w]: b for w, b in facts.weight_bytes.items()})
+        self.partitions.append(partition)
+        self._inputs.append(GraphInput(program.piece_names, facts.lookups))
+        self._inline_now.append(False)
+        self.activation_bytes.append(facts.activation_bytes)
+        plan = self._plan()
+        runner = GraphRunner(program, self.loader, plan.graphs[-1].threaded, index=len(self.runners))
+        runner.observers = self.observers
+        self.runners.append(runner)
+        self.stats.graphs = len(self.runners)
+        self._swap(plan)
+        return _GraphEntry(self, runner)
 
     def _make_room_for_activations(self, activation_bytes: int) -> None:
         """On the CPU, weights kept whole in RAM at offload time (activations unknown then) go to disk
         once a graph shows they leave no room for its activations; the schedule brings back what fits."""
-        limit = self.config.cpu_memory
-        if self.device.type != "cpu" or limit is None:
+        if self.device.type != "cpu" or self.config.cpu_memory is None:
             return
         in_ram = [n for n, r in self.store.records.items() if r.host is not None]
         held = sum(self.store.records[n].nbytes for n in in_ram)
-        if in_ram and self.fixed_bytes + held + activation_bytes > limit:
-            self.store.spill_to_disk(in_ram, self.store.spill_folder(self.config.offload_folder))
+        if in_ram and not self.memory.fits(activations=activation_bytes, resident=held):
+            self.store.spill(in_ram, self.store.spill_folder(self.config.offload_folder))
 
-    def schedule(self, executor: GraphExecutor) -> None:
-        """Re-plan residency from a fresh profile: unhidden copies first, within the budget."""
-        budget = self.budget
-        if budget is None or self.config.policy != "auto":
-            return
-        fixed = self.fixed_bytes + max(e.activation_bytes for e in self.executors)
-        wanted = choose_resident(executor.profile, budget, fixed)
-        streamable = {
-            n for n, r in self.store.records.items() if r.host is None or self.device.type == "cuda"
-        }
-        for name in streamable - wanted:
-            self.store.evict(name)
-            self.copy.unkeep(name)
-        for name in wanted & streamable:
-            record = self.store.records[name]
-            if record.resident is None and record.host is None and self.copy.used_in_place(record):
-                record.resident = self.copy.keep_mapped(record)  # on the CPU: its file's pages, kept
-            else:
-                self.store.make_resident(name)
-        self._reserve_arena()
-        for profiled in self.executors:  # the resident set changed for every graph
-            if profiled.profile:
-                profiled.distance = self._prefetch_distance(profiled, budget - fixed)
-        self._reserve_arena()
+    # -- planning -------------------------------------------------------------------------------
+    def replan(self) -> None:
+        """Plan every graph for the weights where the store has them now, and swap the plan in."""
+        self._swap(self._plan())
 
-    def _prefetch_distance(self, executor: GraphExecutor, room: int) -> int:
-        """How far ahead to load this graph's pieces: from its profile, with what stays resident taken
-        out, in the room the resident weights leave."""
-        if self.copy.arena.capacity:
-            return 1
-        records = self.store.records
-        on_cpu = self.device.type == "cpu"
-        streamed_profiles = []
-        for profile in executor.profile:
-            streamed = {
-                w: b
-                for w, b in profile.weight_bytes.items()
-                if records[w].resident is None and (records[w].host is None or not on_cpu)
-            }
-            share = sum(streamed.values()) / max(profile.nbytes, 1)
-            streamed_profiles.append(
-                PieceProfile(tuple(streamed), streamed, profile.copy_seconds * share, profile.compute_seconds)
-            )
-            room -= profile.nbytes - sum(streamed.values())
-        return choose_distance(streamed_profiles, room)
+    def _plan(self) -> ModelPlan:
+        return plan_model(
+            self._inputs,
+            self.store.records,
+            version=self.store.version,
+            memory=self.memory,
+            activations=max(self.activation_bytes, default=0),
+            device_type=self.loader.device_type,
+            policy=self.config.policy,
+            threaded=self._threaded,
+            inline=self._inline,
+        )
 
-    def _reserve_arena(self) -> None:
-        """Size the staging arena for the bytes of consecutive pieces of every graph that pass through it,
-        and note what two consecutive streamed pieces hold in all (arena or mapped pages). Loads that run
-        on the calling thread hold one load at a time: there, consecutive pieces are loaded together while
-        they fit in that room, so that fewer loads and unmappings run per call."""
-        staged, in_flight = 0, 0
-        streamed_by_executor = []
-        for executor in self.executors:
-            records = [[self.store.records[n] for n in names] for names in executor.piece_names]
-            staged_pieces = [
-                piece_arena_bytes([r.disk.nbytes for r in piece if r.disk and self.copy.needs_staging(r)])
-                for piece in records
-            ]
-            streamed_pieces = [
-                piece_arena_bytes([r.disk.nbytes for r in piece if r.disk and streams_from_file(r)])
-                for piece in records
-            ]
-            if any(staged_pieces):
-                staged = max(staged, arena_bytes(staged_pieces))
-            if any(streamed_pieces):
-                in_flight = max(in_flight, window_bytes(streamed_pieces, executor.distance + 1))
-            streamed_by_executor.append(streamed_pieces)
-        self.copy.arena.resize(staged)
-        self.copy.in_flight_bytes = in_flight
-        for executor, streamed_pieces in zip(self.executors, streamed_by_executor, strict=True):
-            # staged pieces share the arena two at a time: those load one by one
-            grouped = not staged and self.device.type == "cpu"
-            executor.group_ends = load_groups(streamed_pieces, in_flight) if grouped else []
+    def _swap(self, plan: ModelPlan) -> None:
+        self.loader.arena.resize(plan.arena_bytes)
+        self.plan = plan
+        for runner, graph, inline in zip(self.runners, plan.graphs, self._inline_now, strict=True):
+            runner.schedule = graph.inline if inline and graph.inline is not None else graph.threaded
+
+    def profiled(self, runner: GraphRunner, profile: list[Any]) -> None:
+        """Re-plan from a graph's measured profile: unhidden copies resident first, within the budget."""
+        index = runner.index
+        self._inputs[index] = replace(self._inputs[index], profile=tuple(profile))
+        if self.memory.budget is not None and self.config.policy == "auto":
+            wanted = choose_residents(profile, self.memory, max(self.activation_bytes))
+            self.store.set_residents(wanted)
+        self.replan()
+
+    def called(self, runner: GraphRunner) -> None:
+        """Count a finished call; on the CPU, load on the calling thread while loads cost little."""
+        measure = runner.last
+        self.stats.add_call(measure)
+        assert self.plan is not None
+        graph = self.plan.graphs[runner.index]
+        if graph.inline is not None:
+            share = _INLINE_SHARE[self._inline_now[runner.index]]
+            inline = measure.copy_seconds < share * measure.compute_seconds
+            self._inline_now[runner.index] = inline
+            runner.schedule = graph.inline if inline else graph.threaded
+
+    def current(self) -> None:
+        """Plan again if the weights moved since the plan was made (``model.to(dtype)``, a spill)."""
+        if self.plan is None or self.plan.version != self.store.version:
+            self.replan()
+
+    # -- figures and observers ------------------------------------------------------------------
+    @contextmanager
+    def observing(self, observer: Observer) -> Iterator[None]:
+        """Let ``observer`` watch every piece of every graph inside the ``with`` block."""
+        self._set_observers((*self.observers, observer))
+        try:
+            yield
+        finally:
+            self._set_observers(tuple(o for o in self.observers if o is not observer))
+
+    def _set_observers(self, observers: tuple[Observer, ...]) -> None:
+        self.observers = observers
+        for runner in self.runners:
+            runner.observers = observers
 
     def report(self) -> dict[str, Any]:
         """What the engine did and holds, for benchmarks and the command line (plain values only)."""
         return {
             "stats": self.stats.as_dict(),
             "store": self.store.summary(),
-            "pieces": [len(e.piece_bytes) for e in self.executors],
-            "arena_bytes": self.copy.arena.capacity,
-            "in_flight_bytes": self.copy.in_flight_bytes,
+            "pieces": [r.program.pieces for r in self.runners],
+            "arena_bytes": self.loader.arena.capacity,
+            "in_flight_bytes": self.plan.in_flight_bytes if self.plan is not None else 0,
         }
 
     def close(self) -> None:
-        self.copy.close()
-        self.executors.clear()
+        self._threaded.close()
+        self.loader.close()
+        self.runners.clear()
+
+
+class _GraphEntry:
+    """What the backend returns for a graph: its first call is profiled, later calls just run."""
+
+    def __init__(self, engine: Engine, runner: GraphRunner) -> None:
+        self.engine = engine
+        self.runner = runner
+        self._call = self._profiled_call
+
+    def __call__(self, *args: Any) -> Any:
+        return self._call(args)
+
+    def _profiled_call(self, args: tuple[Any, ...]) -> Any:
+        engine, runner = self.engine, self.runner
+        device = engine.device
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        profiler = Profiler(engine.weight_sizes, sync)
+        engine.current()
+        runner.observers = (*engine.observers, profiler)
+        try:
+            result = runner(*args)
+        finally:
+            runner.observers = engine.observers
+        engine.called(runner)
+        engine.profiled(runner, profiler.profile)
+        self._call = self._steady_call
+        return result
+
+    def _steady_call(self, args: tuple[Any, ...]) -> Any:
+        self.engine.current()
+        result = self.runner(*args)
+        self.engine.called(self.runner)
+        return result

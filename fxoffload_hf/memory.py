@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import psutil
 import torch
+
+from fxoffload_hf.memory_model import format_bytes as format_bytes  # one format everywhere
+from fxoffload_hf.memory_model import nbytes
 
 
 def free_host_memory() -> int:
@@ -50,7 +54,7 @@ def free_device_memory(device: torch.device) -> int:
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:
     """Bytes the tensor's elements take once materialized (ghosts and views count in full)."""
-    return tensor.numel() * tensor.element_size()
+    return nbytes(tensor.shape, tensor.element_size())
 
 
 def process_status(keys: tuple[str, ...] = ("VmRSS", "VmHWM", "RssAnon", "RssFile")) -> dict[str, int]:
@@ -64,16 +68,65 @@ def process_status(keys: tuple[str, ...] = ("VmRSS", "VmHWM", "RssAnon", "RssFil
     return out
 
 
-def format_bytes(nbytes: int | float | None) -> str:
-    """Human-readable binary size, e.g. ``'1.50 GiB'``."""
-    if nbytes is None:
-        return "unlimited"
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"
+def reset_peak_rss() -> None:
+    """Reset the kernel's peak-resident mark (``VmHWM`` of ``/proc/self/status``) to the current size."""
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+
+
+class PeakSampler:
+    """A thread that samples :func:`process_status` every ``every`` seconds and keeps each key's peak.
+
+    ``peak`` holds the peaks since the start or the last :meth:`reset`, ``peak_all`` those since the
+    start. Use as a context manager, or call :meth:`start` and :meth:`stop`; both take a sample at once.
+    """
+
+    def __init__(self, keys: tuple[str, ...] = ("RssAnon", "RssFile"), every: float = 0.02) -> None:
+        self.keys, self.every = keys, every
+        self.peak = dict.fromkeys(keys, 0)
+        self.peak_all = dict.fromkeys(keys, 0)
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="peak-sampler")
+
+    def sample(self) -> dict[str, int]:
+        """Read the keys now, fold them into the peaks, and return them."""
+        now = process_status(self.keys)
+        with self._lock:
+            for key, value in now.items():
+                self.peak[key] = max(self.peak[key], value)
+                self.peak_all[key] = max(self.peak_all[key], value)
+        return now
+
+    def reset(self, kernel_mark: bool = False) -> dict[str, int]:
+        """Start a new peak window at the current values; with ``kernel_mark``, ``VmHWM``'s too."""
+        if kernel_mark:
+            reset_peak_rss()
+        now = process_status(self.keys)
+        with self._lock:
+            self.peak.update(now)
+        return now
+
+    def start(self) -> PeakSampler:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the thread, with a last sample so that the peaks cover the time up to now."""
+        self._stopped.set()
+        self._thread.join()
+        self.sample()
+
+    def _loop(self) -> None:
+        while not self._stopped.wait(self.every):
+            self.sample()
+
+    def __enter__(self) -> PeakSampler:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def _cgroup_limit() -> int | None:

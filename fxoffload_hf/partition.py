@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from fxoffload_hf.memory import format_bytes
+from fxoffload_hf.memory_model import BudgetTooSmallError, format_bytes
 
 _EPILOGUE_FUNCTIONS = {
     operator.add,
@@ -59,14 +59,6 @@ _EPILOGUE_METHODS = {
     "bfloat16", "type", "type_as", "contiguous", "view", "reshape", "transpose", "permute", "flatten",
     "unsqueeze", "squeeze", "expand",
 }  # fmt: skip
-
-
-class BudgetTooSmallError(ValueError):
-    """A weight (or a group of weights that must load together) is larger than the piece budget."""
-
-    def __init__(self, message: str, smallest_budget: int) -> None:
-        super().__init__(message)
-        self.smallest_budget = smallest_budget
 
 
 @dataclass

@@ -13,12 +13,16 @@ import torch
 from torch import fx
 
 from fxoffload_hf.config import BudgetSpec, OffloadConfig
-from fxoffload_hf.engine import Engine
-from fxoffload_hf.executor import activation_peak
-from fxoffload_hf.memory import format_bytes
-from fxoffload_hf.partition import BudgetTooSmallError
-from fxoffload_hf.transfer import arena_bytes, piece_arena_bytes
-from fxoffload_hf.weights import WeightStore
+from fxoffload_hf.graphs import activation_peak
+from fxoffload_hf.memory_model import (
+    BudgetTooSmallError,
+    MemoryModel,
+    format_bytes,
+    nbytes,
+    pair_bytes,
+    piece_bytes,
+)
+from fxoffload_hf.planner import partition_for_budget
 
 
 @dataclass
@@ -118,45 +122,37 @@ def plan_config(
     weights: dict[fx.Node, int] = {}
     small = 0
     for node, value in zip(placeholders, example_inputs, strict=False):
-        if isinstance(value, torch.nn.Parameter):
-            size = value.numel() * value.element_size()
-            if size >= settings.resident_threshold:
-                weights[node] = size
-            else:
-                small += size
-        elif isinstance(value, torch.Tensor):
-            small += value.numel() * value.element_size()
-    activations = activation_peak(gm.graph, set(weights))
-    engine = Engine(settings, WeightStore(settings.device), small)
-    try:
-        largest = max(weights.values(), default=0)
-        smallest = engine.smallest_budget(largest, activations)
-        report = PlanReport(
-            model=type(model).__name__,
-            weight_bytes=sum(weights.values()),
-            resident_small_bytes=small,
-            activation_bytes=activations,
-            budget_name=engine.budget_name,
-            budget=engine.budget,
-            pieces=[],
-            arena_bytes=0,
-            resident_bytes_max=0,
-            smallest_budget=smallest,
-        )
-        try:
-            partition = engine.partition(gm.graph, weights, activations)
-        except BudgetTooSmallError as exc:
-            report.error = str(exc)
-            report.smallest_budget = exc.smallest_budget
-            return report
-        report.pieces = [p.weight_bytes for p in partition.pieces]
-        report.arena_bytes = arena_bytes(
-            [piece_arena_bytes([weights[w] for w in p.weights]) for p in partition.pieces]
-        )
-        if engine.budget is not None:
-            report.resident_bytes_max = max(engine.budget - small - activations - report.arena_bytes, 0)
+        if not isinstance(value, torch.Tensor):
+            continue
+        size = nbytes(value.shape, value.element_size())
+        if isinstance(value, torch.nn.Parameter) and size >= settings.resident_threshold:
+            weights[node] = size
         else:
-            report.resident_bytes_max = report.weight_bytes
+            small += size
+    activations = activation_peak(gm.graph, set(weights))
+    memory = MemoryModel.where_it_computes(
+        settings.device.type, settings.gpu_memory, settings.cpu_memory, small
+    )
+    report = PlanReport(
+        model=type(model).__name__,
+        weight_bytes=sum(weights.values()),
+        resident_small_bytes=small,
+        activation_bytes=activations,
+        budget_name=memory.budget_name,
+        budget=memory.budget,
+        pieces=[],
+        arena_bytes=0,
+        resident_bytes_max=0,
+        smallest_budget=memory.smallest_budget(max(weights.values(), default=0), activations),
+    )
+    try:
+        partition = partition_for_budget(gm.graph, weights, activations, memory, settings.policy)
+    except BudgetTooSmallError as exc:
+        report.error = str(exc)
+        report.smallest_budget = exc.smallest_budget
         return report
-    finally:
-        engine.close()
+    report.pieces = [p.weight_bytes for p in partition.pieces]
+    report.arena_bytes = pair_bytes([piece_bytes(weights[w] for w in p.weights) for p in partition.pieces])
+    room = memory.room(activations)
+    report.resident_bytes_max = report.weight_bytes if room is None else max(room - report.arena_bytes, 0)
+    return report

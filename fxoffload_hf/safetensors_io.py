@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from fxoffload_hf.memory_model import nbytes
+
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -96,7 +98,7 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, TensorSlice]:
             raise CheckpointError(
                 f"{path}: corrupt entry for tensor {key!r} in the safetensors header"
             ) from None
-        expected = _numel(shape) * _itemsize(dtype)
+        expected = nbytes(shape, dtype.itemsize)
         if end - begin != expected or base + end > size:
             raise CheckpointError(
                 f"{path}: tensor {key!r} declares bytes {begin}..{end} but needs {expected} and the file has "
@@ -197,14 +199,3 @@ def _skip(views: list[memoryview], count: int) -> list[memoryview]:
         out.append(view[count:])
         count = 0
     return out
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

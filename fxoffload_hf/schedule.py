@@ -1,11 +1,12 @@
-"""From measured copy and compute times, within a byte budget: which pieces' weights stay resident, and how
-many pieces ahead the rest are loaded."""
+"""From measured copy and compute times, within a byte budget: which pieces' weights stay resident, how
+many pieces ahead the rest are loaded, and which consecutive pieces load together. Pure: numbers in,
+numbers out; what fits is asked of ``memory_model``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxoffload_hf.transfer import arena_bytes, piece_arena_bytes
+from fxoffload_hf.memory_model import MemoryModel, pair_bytes, piece_bytes, window_bytes
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,12 @@ def unhidden_copy_seconds(profiles: list[PieceProfile]) -> list[float]:
     return result
 
 
-def choose_resident(profiles: list[PieceProfile], budget: int, fixed_bytes: int) -> set[str]:
+def choose_resident(profiles: list[PieceProfile], memory: MemoryModel, activations: int) -> set[str]:
     """Pick the weights to keep on the device: pieces whose copy cannot be hidden come first.
 
-    ``budget`` covers the resident weights, the staging arena the remaining streamed pieces need, and
-    ``fixed_bytes`` (activations and small resident tensors). Pieces are taken whole, most unhidden copy
-    time per byte first, then the rest in execution order while they fit.
+    What stays resident, the remaining streamed pieces (two in flight) and ``activations`` must fit
+    ``memory``. Pieces are taken whole, most unhidden copy time per byte first, then the rest in
+    execution order while they fit.
     """
     unhidden = unhidden_copy_seconds(profiles)
     order = sorted(
@@ -52,11 +53,9 @@ def choose_resident(profiles: list[PieceProfile], budget: int, fixed_bytes: int)
         candidate = resident | set(profiles[index].weights)
         if candidate == resident:
             continue
+        streamed = [piece_bytes(p.weight_bytes[w] for w in p.weights if w not in candidate) for p in profiles]
         resident_bytes = sum(sizes[w] for w in candidate)
-        streamed = [
-            piece_arena_bytes([p.weight_bytes[w] for w in p.weights if w not in candidate]) for p in profiles
-        ]
-        if fixed_bytes + resident_bytes + arena_bytes(streamed) <= budget:
+        if memory.fits(activations=activations, resident=resident_bytes, in_flight=pair_bytes(streamed)):
             resident = candidate
     return resident
 
@@ -79,22 +78,10 @@ def simulated_seconds(profiles: list[PieceProfile], distance: int) -> float:
     return computed[-1] if computed else 0.0
 
 
-def window_bytes(piece_bytes: list[int], width: int) -> int:
-    """The most bytes any ``width`` consecutive pieces hold together (the pieces in flight at once)."""
-    if not piece_bytes:
-        return 0
-    width = min(max(width, 1), len(piece_bytes))
-    total = best = sum(piece_bytes[:width])
-    for i in range(width, len(piece_bytes)):
-        total += piece_bytes[i] - piece_bytes[i - width]
-        best = max(best, total)
-    return best
-
-
 def choose_distance(profiles: list[PieceProfile], room: int, max_distance: int = 4) -> int:
     """How many pieces ahead to load: the smallest distance with the shortest simulated call whose pieces in
     flight (``distance + 1`` consecutive streamed pieces) fit in ``room`` bytes; at least 1."""
-    sizes = [piece_arena_bytes(list(p.weight_bytes.values())) for p in profiles]
+    sizes = [piece_bytes(p.weight_bytes.values()) for p in profiles]
     best, best_seconds = 1, simulated_seconds(profiles, 1)
     for distance in range(2, max_distance + 1):
         if window_bytes(sizes, distance + 1) > room:
@@ -105,16 +92,16 @@ def choose_distance(profiles: list[PieceProfile], room: int, max_distance: int =
     return best
 
 
-def load_groups(piece_bytes: list[int], room: int) -> list[int]:
-    """Runs of consecutive pieces loaded as one (``piece_bytes``: what each streams), each within ``room``
+def load_groups(sizes: list[int], room: int) -> list[int]:
+    """Runs of consecutive pieces loaded as one (``sizes``: what each streams), each within ``room``
     bytes; for each piece, the index one past the end of its run. A piece larger than ``room`` runs alone,
     and pieces that stream nothing join their neighbours for free."""
-    ends = [0] * len(piece_bytes)
+    ends = [0] * len(sizes)
     start = 0
-    while start < len(piece_bytes):
-        end, total = start + 1, piece_bytes[start]
-        while end < len(piece_bytes) and total + piece_bytes[end] <= room:
-            total += piece_bytes[end]
+    while start < len(sizes):
+        end, total = start + 1, sizes[start]
+        while end < len(sizes) and total + sizes[end] <= room:
+            total += sizes[end]
             end += 1
         ends[start:end] = [end] * (end - start)
         start = end

@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from fxoffload_hf.api import engine_of
-from fxoffload_hf.executor import TraceEvent
+from fxoffload_hf.observers import TraceEvent, TraceRecorder
 
 
 @contextmanager
@@ -19,11 +19,8 @@ def record_timeline(model: nn.Module) -> Iterator[list[TraceEvent]]:
     """Record every piece run of an offloaded model inside the ``with`` block."""
     engine = engine_of(model)
     events: list[TraceEvent] = []
-    engine.trace = events
-    try:
+    with engine.observing(TraceRecorder(events, lambda: engine.stats.calls)):
         yield events
-    finally:
-        engine.trace = None
 
 
 def chrome_trace(events: list[TraceEvent]) -> dict[str, Any]:

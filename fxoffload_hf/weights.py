@@ -1,8 +1,15 @@
-"""``WeightStore``: every offloaded weight of one model by name, each in one tier.
+"""``WeightStore``: every offloaded weight of one model by name, and the one owner of where each lies.
 
-Tiers: ``device`` (kept on the compute device), ``host`` (in host RAM, pinned when the device is CUDA),
-``disk`` (a byte range of a safetensors file: the original checkpoint read in place, or a file written
-once to ``offload_folder``). Tied weights are one record under their first name, with aliases.
+Each weight is in one tier at a time, and only the store moves it (``keep``, ``evict``, ``spill``):
+
+- ``device``: kept where the model computes (a device copy on CUDA; on the CPU, its tensor in RAM);
+- ``host``: in host RAM (pinned), copied to the CUDA device for each piece;
+- ``mapped``: on the CPU, its checkpoint file's pages kept mapped between calls (no private copy);
+- ``disk``: a byte range of a safetensors file (the checkpoint read in place, or a file written once to
+  ``offload_folder``), read for each piece.
+
+Tied weights are one record under their first name, with aliases. Every move bumps ``version``, so a
+plan made for one placement is never run against another.
 """
 
 from __future__ import annotations
@@ -20,19 +27,31 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from fxoffload_hf.memory import format_bytes
+from fxoffload_hf.mapped_io import MappedFiles, can_map
+from fxoffload_hf.memory_model import format_bytes, nbytes
 from fxoffload_hf.safetensors_io import TensorSlice, read_header, read_into
 
 
 class Tier(enum.StrEnum):
     DEVICE = "device"
     HOST = "host"
+    MAPPED = "mapped"
     DISK = "disk"
+
+    @property
+    def streams(self) -> bool:
+        """Whether a weight in this tier is brought to the device for each piece that uses it."""
+        return self in (Tier.HOST, Tier.DISK)
+
+    @property
+    def from_file(self) -> bool:
+        """Whether bringing it in reads its file."""
+        return self is Tier.DISK
 
 
 @dataclass
 class WeightRecord:
-    """One weight: its identity, its tier, and where its bytes are."""
+    """One weight: its identity and where its bytes are. Only ``WeightStore`` changes the placement."""
 
     name: str
     shape: tuple[int, ...]
@@ -41,13 +60,11 @@ class WeightRecord:
     disk: TensorSlice | None = None
     resident: torch.Tensor | None = None
     aliases: list[str] = field(default_factory=list)
+    mapped: bool = False  # ``resident`` is a view of its file's pages
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return nbytes(self.shape, self.dtype.itemsize)
 
     @property
     def footprint(self) -> int:
@@ -60,15 +77,24 @@ class WeightRecord:
     @property
     def tier(self) -> Tier:
         if self.resident is not None:
-            return Tier.DEVICE
+            return Tier.MAPPED if self.mapped else Tier.DEVICE
         return Tier.HOST if self.host is not None else Tier.DISK
+
+    @property
+    def in_place(self) -> bool:
+        """Whether its file's bytes can be used as they lie: same dtype, aligned (CPU streaming)."""
+        return self.disk is not None and can_map(self.disk, self.dtype)
 
 
 class WeightStore:
     """The weights of one model, by name, across tiers. Thread-safe for concurrent reads."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, drop_cache: bool = False) -> None:
         self.device = device
+        # under a memory limit the page cache is charged to us: unmapped pages are dropped from it too
+        self.drop_cache = drop_cache
+        self.files = MappedFiles()  # the checkpoint files' private mappings, shared with the loaders
+        self.version = 0  # bumped by every change of tier or dtype
         self.records: dict[str, WeightRecord] = {}
         self._spilled_files: list[Path] = []
         self._temp_folder: Path | None = None
@@ -80,13 +106,14 @@ class WeightStore:
     # -- building -------------------------------------------------------------------------------
     def add_host(self, name: str, tensor: torch.Tensor) -> WeightRecord:
         """Hold ``tensor`` (already in host memory, or on the device) under ``name``."""
-        record = WeightRecord(name, tuple(tensor.shape), tensor.dtype)
-        if tensor.device == self.device:
-            record.resident = tensor.detach()
-        if tensor.device.type == "cpu":
-            record.host = tensor.detach()
+        value = tensor.detach()
+        record = WeightRecord(name, tuple(value.shape), value.dtype)
+        if value.device == self.device:
+            record.resident = value
+        if value.device.type == "cpu":
+            record.host = value  # on a CPU run, the same tensor as ``resident``: held once
         elif record.resident is None:
-            record.host = tensor.detach().cpu()
+            record.host = value.cpu()
         self.records[name] = record
         return record
 
@@ -109,7 +136,7 @@ class WeightStore:
             self._temp_folder = Path(tempfile.mkdtemp(prefix="fxoffload-"))
         return self._temp_folder
 
-    def spill_to_disk(self, names: list[str], folder: Path) -> Path | None:
+    def spill(self, names: list[str], folder: Path) -> Path | None:
         """Write the host tensors of ``names`` once to ``folder`` (atomically) and drop them from RAM.
 
         Raises:
@@ -137,6 +164,7 @@ class WeightStore:
                 ) from exc
             raise
         slices = read_header(final)
+        self.version += 1
         for name, record in todo.items():
             record.disk = slices[name]
             record.host = None
@@ -153,6 +181,7 @@ class WeightStore:
         record = self.records[name]
         if record.dtype == dtype:
             return
+        self.version += 1
         shared = record.resident is not None and record.resident is record.host
         if record.host is not None:
             record.host = record.host.to(dtype)
@@ -177,21 +206,51 @@ class WeightStore:
             else:
                 record.host = host.pin_memory()
 
-    def make_resident(self, name: str) -> None:
-        """Keep ``name`` on the compute device from now on."""
+    def movable(self, record: WeightRecord) -> bool:
+        """Whether ``keep`` and ``evict`` apply: not a weight whose only copy is in RAM on a CPU run."""
+        return record.host is None or self.device.type != "cpu"
+
+    def keep(self, name: str) -> None:
+        """Keep ``name`` where the model computes from now on: on the CPU, a weight that can be used in
+        place as its file's pages kept mapped; else a device copy."""
         record = self.records[name]
         if record.resident is not None:
             return
-        record.resident = self.read(record).to(self.device)
+        self.version += 1
+        if self.device.type == "cpu" and record.host is None and record.in_place:
+            assert record.disk is not None
+            view = self.files.view(record.disk)
+            self.files.populate([view])
+            record.resident, record.mapped = view, True
+        else:
+            record.resident = self.read(record).to(self.device)
 
     def evict(self, name: str) -> None:
-        """Stop keeping ``name`` on the device (it stays in its host or disk tier)."""
+        """Stop keeping ``name`` where the model computes (it streams from its host or disk tier)."""
         record = self.records[name]
-        if record.host is not None and record.host.device == self.device:
+        if (
+            record.resident is None
+            or not self.movable(record)
+            or (record.host is None and record.disk is None)
+        ):
             return
-        if record.host is None and record.disk is None:
-            return
-        record.resident = None
+        self.version += 1
+        if record.mapped:
+            self.files.release([record.resident], self.drop_cache)
+        record.resident, record.mapped = None, False
+
+    def set_residents(self, wanted: set[str]) -> None:
+        """Keep exactly the movable weights in ``wanted`` where the model computes; the rest stream."""
+        for name, record in self.records.items():
+            if self.movable(record) and name not in wanted:
+                self.evict(name)
+        for name in wanted:
+            if self.movable(self.records[name]):
+                self.keep(name)
+
+    def kept_sources(self, records: list[WeightRecord]) -> list[TensorSlice]:
+        """The file ranges of those of ``records`` kept as mapped pages (checked before each use)."""
+        return [r.disk for r in records if r.mapped and r.disk is not None]
 
     def read(self, record: WeightRecord, out: torch.Tensor | None = None) -> torch.Tensor:
         """The weight's values on the host: its host tensor, or read from disk into ``out`` if given."""
@@ -199,11 +258,15 @@ class WeightStore:
             return record.host
         if record.resident is not None and record.disk is None:
             return record.resident
-        source = record.disk
-        assert source is not None
+        assert record.disk is not None
+        return self.read_source(record.disk, record.dtype, out)
+
+    @staticmethod
+    def read_source(source: TensorSlice, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A tensor's values read from its file (into ``out`` if given), as ``dtype``."""
         buffer = out if out is not None else torch.empty(source.nbytes, dtype=torch.uint8)
         read_into([source], [buffer])
-        return as_typed(buffer, source).to(record.dtype)
+        return as_typed(buffer, source).to(dtype)
 
     # -- facts ----------------------------------------------------------------------------------
     def bytes_in(self, tier: Tier) -> int:
@@ -220,8 +283,9 @@ class WeightStore:
     def close(self) -> None:
         """Drop every tensor and delete the files this store wrote (never the checkpoint's own)."""
         for record in self.records.values():
-            record.resident = None
+            record.resident, record.mapped = None, False
             record.host = None
+        self.files.close()
         for storage in self._registered:
             torch.cuda.cudart().cudaHostUnregister(storage.data_ptr())
         self._registered.clear()

@@ -186,24 +186,27 @@ def test_cpu_streaming_uses_no_staging_copy_and_keeps_residents_mapped(tmp_path)
             for _ in range(2):
                 assert torch.equal(model(ids).logits, expected)
         engine = fxoffload_hf.engine_of(model)
-        assert engine.copy.arena.capacity == 0  # every streamed weight is a view of its file
-        assert engine.store.bytes_in(Tier.DISK) > 0
-        assert engine.copy.kept, "the schedule kept no weight resident"
-        for name, (view, _) in engine.copy.kept.items():
-            record = engine.store.records[name]
-            assert record.resident is view and record.host is None  # no private copy
+        store = engine.store
+        assert engine.loader.arena.capacity == 0  # every streamed weight is a view of its file
+        assert store.bytes_in(Tier.DISK) > 0
+        kept = [r for r in store.records.values() if r.tier is Tier.MAPPED]
+        assert kept, "the schedule kept no weight resident"
+        for record in kept:  # its file's pages, no private copy
+            assert record.host is None and record.disk is not None
+            assert record.resident.data_ptr() == store.files.view(record.disk).data_ptr()
         assert engine.stats.bytes_streamed > 0
         # the embedding table is only indexed: its rows are read by the lookup, never faulted in whole
-        lookups = set().union(*(e.lookups for e in engine.executors))
-        assert lookups == {"model.embed_tokens.weight"}
+        for graph in engine.plan.graphs:
+            for spec in filter(None, graph.threaded.loads):
+                for record, fault_in in zip(spec.mapped, spec.fault_in, strict=True):
+                    assert fault_in == (record.name != "model.embed_tokens.weight")
         faulted: list[tuple[int, int]] = []
-        fault = engine.copy.files._fault
-        engine.copy.files._fault = lambda ranges: (faulted.extend(ranges), fault(ranges))
-        engine.copy.unkeep("model.embed_tokens.weight")
-        engine.store.evict("model.embed_tokens.weight")
+        fault = store.files._fault
+        store.files._fault = lambda ranges: (faulted.extend(ranges), fault(ranges))
+        store.evict("model.embed_tokens.weight")
         with torch.no_grad():
             assert torch.equal(model(ids).logits, expected)
-        table = engine.copy.files.view(engine.store.records["model.embed_tokens.weight"].disk)
+        table = store.files.view(store.records["model.embed_tokens.weight"].disk)
         low, high = table.data_ptr(), table.data_ptr() + table.numel() * 4
         overlap = sum(max(0, min(start + length, high) - max(start, low)) for start, length in faulted)
         assert faulted and overlap < 2 * 4096  # at most the pages it shares with its neighbours

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import threading
+from dataclasses import replace
 
 import pytest
 import torch
 from conftest import build_model, example_input, weight_bytes
 
 import fxoffload_hf
+from fxoffload_hf.loaders import InlineReader, LoadSpec
 from fxoffload_hf.weights import Tier
 
 KINDS = ["llama", "gpt2", "bert", "mlp"]
@@ -41,7 +44,7 @@ def test_offloaded_forward_equals_eager(kind, tier, tmp_path):
             first = _output(model, x)
             second = _output(model, x)
         engine = fxoffload_hf.engine_of(model)
-        assert max(len(e.piece_bytes) for e in engine.executors) >= 4
+        assert max(r.program.pieces for r in engine.runners) >= 4
         if tier == "disk":
             assert engine.store.bytes_in(Tier.DISK) > 0
             assert engine.stats.bytes_streamed > 0
@@ -141,7 +144,7 @@ def test_graph_breaks_are_offloaded_too():
     try:
         with torch.no_grad():
             assert torch.equal(model(x), expected)
-        assert len(fxoffload_hf.engine_of(model).executors) == 2
+        assert len(fxoffload_hf.engine_of(model).runners) == 2
     finally:
         fxoffload_hf.restore(model)
 
@@ -207,57 +210,84 @@ def _profiled_llama_on_disk(tmp_path):
         fxoffload_hf.restore(model)
 
 
+class _SubmitLog:
+    """A reader that logs each load as the runner submits it (on the calling thread), then runs it."""
+
+    def __init__(self, reader, events: list[tuple[str, frozenset[str]]]) -> None:
+        self.reader, self.events = reader, events
+        self.threads: set[int] = set()
+
+    def submit(self, fn, spec):
+        if not isinstance(spec, LoadSpec):  # the unmapping at the end of the call
+            return self.reader.submit(fn, spec)
+        names = frozenset(r.name for r in (*spec.held, *spec.mapped, *spec.staged, *spec.copied))
+        self.events.append(("load", names))
+        return self.reader.submit(self._run, fn, spec)
+
+    def _run(self, fn, spec):
+        self.threads.add(threading.get_ident())
+        return fn(spec)
+
+
+def _run_with_spies(model, x, schedule):
+    """One call under ``schedule``, its loads and releases logged: (output, events, reader spy)."""
+    engine = fxoffload_hf.engine_of(model)
+    (runner,) = engine.runners
+    events: list[tuple[str, frozenset[str]]] = []
+    spy = _SubmitLog(schedule.reader, events)
+    runner.schedule = replace(schedule, reader=spy)
+    release = engine.loader.release
+
+    def spy_release(loaded):
+        events.append(("done", frozenset(loaded.tensors)))
+        return release(loaded)
+
+    engine.loader.release = spy_release
+    engine.called = lambda runner: None  # keep this schedule for the call
+    return _output(model, x), events, spy
+
+
 @pytest.mark.parametrize("distance", [1, 3])
 def test_loading_several_pieces_ahead_keeps_eager_results(distance, tmp_path):
     with _profiled_llama_on_disk(tmp_path) as (model, x, expected), torch.no_grad():
         engine = fxoffload_hf.engine_of(model)
-        (executor,) = engine.executors
-        executor.distance = distance
-        executor.inline_loads = False  # loads through the read-ahead thread, as when copies cost
-        piece_of = {frozenset(names): i for i, names in enumerate(executor.piece_names)}
-        assert len(piece_of) == len(executor.piece_names), "pieces must be told apart by their weights"
-        events: list[tuple[str, int]] = []
-        submit, release = engine.copy.submit, engine.copy.release
-
-        def spy_submit(records, side, lookups=(), **kwargs):
-            events.append(("load", piece_of[frozenset(r.name for r in records)]))
-            return submit(records, side, lookups, **kwargs)
-
-        def spy_release(piece):
-            events.append(("done", piece_of[frozenset(piece.tensors)]))
-            return release(piece)
-
-        engine.copy.submit, engine.copy.release = spy_submit, spy_release
-        assert torch.equal(_output(model, x), expected)
-        pieces = len(executor.piece_names)
+        piece_names = engine.runners[0].program.piece_names
+        piece_of = {frozenset(names): i for i, names in enumerate(piece_names)}
+        assert len(piece_of) == len(piece_names), "pieces must be told apart by their weights"
+        # loads through the read-ahead thread, as when copies cost
+        schedule = replace(engine.plan.graphs[0].threaded, distance=distance)
+        output, events, _spy = _run_with_spies(model, x, schedule)
+        assert torch.equal(output, expected)
+        pieces = len(piece_names)
         assert pieces >= 4
-        for position, (kind, piece) in enumerate(events):
+        assert [piece_of[names] for kind, names in events if kind == "load"] == list(range(pieces))
+        for position, (kind, names) in enumerate(events):
             if kind == "done":
                 loads_before = sum(1 for k, _ in events[:position] if k == "load")
-                assert loads_before == min(piece + 1 + distance, pieces), (piece, events)
+                assert loads_before == min(piece_of[names] + 1 + distance, pieces), (names, events)
 
 
 def test_inline_loads_bring_consecutive_pieces_in_together_within_the_room(tmp_path):
     with _profiled_llama_on_disk(tmp_path) as (model, x, expected), torch.no_grad():
         engine = fxoffload_hf.engine_of(model)
-        (executor,) = engine.executors
-        assert engine.copy.arena.capacity == 0 and len(executor.group_ends) == len(executor.piece_names)
-        loads: list[list[str]] = []
-        submit = engine.copy.submit
-
-        def spy_submit(records, side, lookups=(), **kwargs):
-            assert kwargs.get("inline"), "loads were expected on the calling thread"
-            loads.append([r.name for r in records])
-            return submit(records, side, lookups, **kwargs)
-
-        engine.copy.submit = spy_submit
-        executor.inline_loads = True
-        assert torch.equal(_output(model, x), expected)
+        inline = engine.plan.graphs[0].inline
+        assert engine.loader.arena.capacity == 0 and inline is not None
+        assert isinstance(inline.reader, InlineReader) and inline.distance == 0
+        output, events, spy = _run_with_spies(model, x, inline)
+        assert torch.equal(output, expected)
+        assert spy.threads == {threading.get_ident()}, "loads were expected on the calling thread"
+        loads = [names for kind, names in events if kind == "load"]
         records = engine.store.records
-        pieces = [list(names) for names in executor.piece_names]
+        pieces = [set(names) for names in engine.runners[0].program.piece_names]
         assert len(pieces) >= 4 and 1 <= len(loads) < len(pieces)
         # the loads cover the pieces in order, each piece whole in one load
-        assert [name for load in loads for name in load] == [name for piece in pieces for name in piece]
-        for load in loads:
-            streamed = sum(records[n].nbytes for n in set(load) if records[n].resident is None)
-            assert streamed <= engine.copy.in_flight_bytes
+        covered = 0
+        for names in loads:
+            group = set()
+            while covered < len(pieces) and pieces[covered] <= names:
+                group |= pieces[covered]
+                covered += 1
+            assert group == names, "a load is not a run of whole consecutive pieces"
+            streamed = sum(records[n].nbytes for n in names if records[n].resident is None)
+            assert streamed <= engine.plan.in_flight_bytes
+        assert covered == len(pieces)

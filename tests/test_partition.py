@@ -136,7 +136,7 @@ def test_work_grows_linearly_with_graph_size():
 
 
 def test_device_constants_from_the_capture_device_are_retargeted():
-    from fxoffload_hf.capture import retarget_devices
+    from fxoffload_hf.graphs import retarget_devices
 
     graph = fx.Graph()
     x = graph.placeholder("x")

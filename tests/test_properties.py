@@ -23,7 +23,6 @@ from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
 import fxoffload_hf
-from fxoffload_hf.transfer import arena_bytes, piece_arena_bytes
 from fxoffload_hf.weights import Tier
 
 SETTINGS = settings(
@@ -125,47 +124,56 @@ def _large_and_fixed(model: torch.nn.Module) -> tuple[int, int]:
     return large, fixed
 
 
-def _planned_arena(engine) -> int:
-    """Staging bytes the current plan needs: disk reads of consecutive streamed pieces, per graph."""
+def _aligned_sum(sizes: list[int]) -> int:
+    return sum(-(-size // 64) * 64 for size in sizes)
+
+
+def _planned_in_flight(engine) -> int:
+    """An independent count of what two consecutive streamed pieces of any graph hold (file bytes)."""
     need = 0
-    for executor in engine.executors:
+    for runner in engine.runners:
         streamed = [
-            piece_arena_bytes(
+            _aligned_sum(
                 [
                     r.disk.nbytes
                     for r in (engine.store.records[n] for n in names)
                     if r.resident is None and r.host is None and r.disk is not None
                 ]
             )
-            for names in executor.piece_names
+            for names in runner.program.piece_names
         ]
-        if any(streamed):
-            need = max(need, arena_bytes(streamed))
+        pairs = [a + b for a, b in zip(streamed, streamed[1:], strict=False)] or streamed
+        need = max(need, *pairs, 0)
     return need
+
+
+def _piece_bytes(engine, runner) -> list[int]:
+    return [sum(engine.weight_sizes[n] for n in names) for names in runner.program.piece_names]
 
 
 def check_engine_bookkeeping(engine, budget: int) -> dict[str, int]:
     """Every piece within its partition budget; resident + arena + activations + fixed within the budget."""
-    for executor in engine.executors:
-        assert executor.piece_bytes, "a graph without pieces"
-        part = executor.partition
+    for runner, part in zip(engine.runners, engine.partitions, strict=True):
+        sizes = _piece_bytes(engine, runner)
+        assert sizes, "a graph without pieces"
         # a piece over the target holds one unsplittable group of weights (an embedding, say) alone
-        for nbytes in executor.piece_bytes:
-            assert nbytes <= max(part.budget, part.largest_atom_bytes), (executor.piece_bytes, part.budget)
+        for nbytes in sizes:
+            assert nbytes <= max(part.budget, part.largest_atom_bytes), (sizes, part.budget)
     records = list(engine.store.records.values())
-    if engine.budget_name == "cpu_memory":
+    if engine.memory.budget_name == "cpu_memory":
         # the CPU computes: every weight held in RAM (host tier or read in and kept) counts
         resident = sum(r.nbytes for r in records if r.host is not None or r.resident is not None)
     else:
         # gpu_memory on the CPU sizes pieces "as if" for a device: only weights brought in and kept count
         resident = sum(r.nbytes for r in records if r.resident is not None and r.host is None)
-    assert engine.copy.in_flight_bytes >= _planned_arena(engine), "two streamed pieces are not counted"
-    assert engine.copy.arena.capacity <= engine.copy.in_flight_bytes
+    in_flight = engine.plan.in_flight_bytes
+    assert in_flight >= _planned_in_flight(engine), "two streamed pieces are not counted"
+    assert engine.loader.arena.capacity <= in_flight
     held = {
         "resident": resident,
-        "in_flight": engine.copy.in_flight_bytes,
-        "activations": max(e.activation_bytes for e in engine.executors),
-        "fixed": engine.fixed_bytes,
+        "in_flight": in_flight,
+        "activations": max(engine.activation_bytes),
+        "fixed": engine.memory.fixed_bytes,
     }
     assert sum(held.values()) <= budget, (held, budget)
     return held
@@ -226,7 +234,7 @@ def test_any_workable_budget_gives_eager_output_within_budget(arch, tier, policy
             assert torch.equal(second, expected)
             engine = fxoffload_hf.engine_of(model)
             check_engine_bookkeeping(engine, budget)
-            event(f"pieces: {'many' if max(len(e.piece_bytes) for e in engine.executors) > 1 else 'one'}")
+            event(f"pieces: {'many' if max(r.program.pieces for r in engine.runners) > 1 else 'one'}")
             event(f"weights on disk: {engine.store.bytes_in(Tier.DISK) > 0}")
             event(f"refused first: {refused}")
         finally:

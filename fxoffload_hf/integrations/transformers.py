@@ -22,6 +22,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fxoffload_hf.api import offload as offload_model
+from fxoffload_hf.api import remove_on_restore
 from fxoffload_hf.safetensors_io import CheckpointError, TensorSlice, drop_cached_pages, read_header
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -107,7 +108,7 @@ def from_pretrained(
     # (charged to us under a memory limit); read afresh by the engine they come in 2 MiB folios, which
     # are about twenty times cheaper to map and unmap per piece.
     drop_cached_pages(sorted({s.path for s in checkpoint.values()}))
-    model._fxoffload_state.temp_folder = work  # type: ignore[union-attr]
+    remove_on_restore(model, work)
     return model
 
 

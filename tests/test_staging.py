@@ -6,15 +6,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from fxoffload_hf.memory_model import pair_bytes, piece_bytes
 from fxoffload_hf.safetensors_io import CheckpointError, read_header, read_into
-from fxoffload_hf.transfer import StagingArena, arena_bytes, piece_arena_bytes
+from fxoffload_hf.staging import StagingArena
 from fxoffload_hf.weights import as_typed
 
 
 def test_consecutive_pieces_never_overlap_in_the_arena():
     sizes = [[300, 200], [1000], [64, 64, 64], [900, 37]]
     arena = StagingArena(pin=False)
-    arena.resize(arena_bytes([piece_arena_bytes(s) for s in sizes]))
+    arena.resize(pair_bytes([piece_bytes(s) for s in sizes]))
     previous: list[torch.Tensor] = []
     for index, piece in enumerate(sizes):
         views = arena.layout(piece, index % 2)
@@ -50,3 +51,16 @@ def test_truncated_file_is_named(tmp_path):
     (tmp_path / "a.safetensors").write_bytes(data[:-100])
     with pytest.raises(CheckpointError, match="a.safetensors.*truncated"):
         read_header(tmp_path / "a.safetensors")
+
+
+def test_detach_clones_only_what_views_the_arena():
+    arena = StagingArena(pin=False)
+    arena.resize(256)
+    (view,) = arena.layout([64], 0)
+    inside, outside = view.view(torch.float32), torch.ones(4)
+    inside.fill_(3.0)
+    kept_inside, kept_outside = arena.detach((inside, [outside]))
+    assert kept_outside[0] is outside
+    assert kept_inside is not inside and torch.equal(kept_inside, inside)
+    view.fill_(0)  # the next load overwrites the arena: the detached value stays
+    assert bool((kept_inside == 3.0).all())

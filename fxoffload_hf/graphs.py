@@ -1,0 +1,145 @@
+"""What a captured graph tells before it runs: its weights, their sizes, its activation peak, its lookups.
+
+Pure functions of an ``fx.Graph`` and its example inputs (no IO, no engine): the planner reads the
+``GraphFacts`` they produce, and the program builder cuts the same graph into pieces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from fxoffload_hf.capture import handle_of
+from fxoffload_hf.memory_model import nbytes
+
+_LOOKUPS = {
+    # op: position of the table among its arguments
+    torch.nn.functional.embedding: 1,
+    torch.embedding: 0,
+    torch.ops.aten.embedding.default: 0,
+}
+
+
+@dataclass(frozen=True)
+class GraphFacts:
+    """The weights of one captured graph and what it holds while it runs."""
+
+    names: dict[fx.Node, str]  # weight placeholder -> stored weight name
+    positions: dict[fx.Node, int]  # weight placeholder -> argument position
+    weight_bytes: dict[fx.Node, int]  # weight placeholder -> bytes in flight when it streams
+    activation_bytes: int
+    lookups: frozenset[str]  # weights used only as tables of row lookups
+
+
+def graph_facts(gm: fx.GraphModule, example_inputs: list[Any]) -> GraphFacts:
+    """Find the weights among ``gm``'s placeholders from their ghosts, and measure the graph."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names: dict[fx.Node, str] = {}
+    positions: dict[fx.Node, int] = {}
+    weight_bytes: dict[fx.Node, int] = {}
+    for index, (node, value) in enumerate(zip(placeholders, example_inputs, strict=False)):
+        handle = handle_of(value)
+        if handle is not None:
+            names[node] = handle.record.name
+            positions[node] = index
+            weight_bytes[node] = handle.record.footprint
+    return GraphFacts(
+        names=names,
+        positions=positions,
+        weight_bytes=weight_bytes,
+        activation_bytes=activation_peak(gm.graph, set(weight_bytes)),
+        lookups=frozenset(names[w] for w in weight_bytes if only_row_lookups(w)),
+    )
+
+
+def activation_peak(graph: fx.Graph, weight_nodes: set[fx.Node]) -> int:
+    """Peak bytes of live intermediates when ``graph`` runs in order (from fake example values)."""
+    frees = last_uses(graph)
+    live, peak = 0, 0
+    sizes: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        if node.op not in ("placeholder", "output", "get_attr") and node not in weight_nodes:
+            sizes[node] = value_bytes(node.meta.get("example_value", node.meta.get("val")))
+            live += sizes[node]
+            peak = max(peak, live)
+        for value in frees.get(node, ()):
+            live -= sizes.pop(value, 0)
+    return peak
+
+
+def last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """For each node, the values whose last use it is (they can be freed once it ran)."""
+    last_use: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        for dep in node._input_nodes:
+            last_use[dep] = node
+    frees: dict[fx.Node, list[fx.Node]] = {}
+    for value, user in last_use.items():
+        frees.setdefault(user, []).append(value)
+    return frees
+
+
+def value_bytes(value: Any) -> int:
+    """Bytes of a (fake) example value: tensors at their size hints, nested in lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        return nbytes((_hint(d) for d in value.shape), value.element_size())
+    if isinstance(value, list | tuple):
+        return sum(value_bytes(v) for v in value)
+    return 0
+
+
+def _hint(dim: Any) -> int:
+    if isinstance(dim, int):
+        return dim
+    node = getattr(dim, "node", None)
+    hint = getattr(node, "hint", None)
+    return int(hint) if hint is not None else 1
+
+
+def only_row_lookups(weight: fx.Node) -> bool:
+    """Whether the graph uses ``weight`` only as the table of embedding lookups (it reads some rows)."""
+    users = list(weight.users)
+    return bool(users) and all(
+        user.op == "call_function"
+        and user.target in _LOOKUPS
+        and len(user.args) > _LOOKUPS[user.target]
+        and user.args[_LOOKUPS[user.target]] is weight
+        for user in users
+    )
+
+
+def capture_device(example_inputs: list[Any]) -> torch.device | None:
+    """The device the graph was traced on: that of its first tensor input."""
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return None
+
+
+def retarget_devices(graph: fx.Graph, source: torch.device, target: torch.device) -> int:
+    """Rewrite device constants baked into ``graph`` (``device=`` arguments) from ``source`` to ``target``.
+
+    Returns how many arguments changed. Only ``source`` is rewritten: a constant naming another device
+    (say, a deliberate CPU tensor in a GPU graph) stays as it is.
+    """
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, torch.device | str) and value != "meta":
+            try:
+                if torch.device(value) == source:
+                    return target
+            except RuntimeError:
+                return value
+        return value
+
+    changed = 0
+    for node in graph.nodes:
+        if "device" in node.kwargs:
+            new = swap(node.kwargs["device"])
+            if new is not node.kwargs["device"]:
+                node.kwargs = {**node.kwargs, "device": new}
+                changed += 1
+    return changed

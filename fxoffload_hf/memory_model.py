@@ -1,0 +1,147 @@
+"""What must fit at once: the one definition of the budget rule (pure: no torch devices, no IO).
+
+Everything the engine holds where the model computes is counted here:
+
+    fixed (small parameters and buffers kept on the device)
+  + activations (the peak of live intermediates of the largest graph)
+  + resident weights (kept between calls)
+  + pieces in flight (``distance + 1`` consecutive streamed pieces, each laid out at aligned offsets)
+
+The partitioner, the scheduler, ``plan`` and ``offload`` all ask this module; none restates the rule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+ALIGN = 64  # tensors in a staging buffer start at multiples of this many bytes
+
+# the free budget is split this many ways into piece targets: under "auto" two pieces in flight take a
+# quarter of it and the rest can stay resident; under "sequential" two pieces take all of it
+PIECE_DIVISOR = {"auto": 8, "sequential": 2}
+
+
+def nbytes(shape: Iterable[int], itemsize: int) -> int:
+    """Bytes of a dense tensor of ``shape`` whose elements take ``itemsize`` bytes."""
+    return math.prod(shape) * itemsize
+
+
+def aligned(size: int) -> int:
+    """``size`` rounded up to the staging alignment."""
+    return (size + ALIGN - 1) // ALIGN * ALIGN
+
+
+def piece_bytes(tensor_bytes: Iterable[int]) -> int:
+    """Bytes one piece takes in flight: its tensors laid out at aligned offsets."""
+    return sum(aligned(b) for b in tensor_bytes)
+
+
+def window_bytes(pieces: Sequence[int], width: int) -> int:
+    """The most bytes any ``width`` consecutive pieces hold together (the pieces in flight at once)."""
+    if not pieces:
+        return 0
+    width = min(max(width, 1), len(pieces))
+    total = best = sum(pieces[:width])
+    for i in range(width, len(pieces)):
+        total += pieces[i] - pieces[i - width]
+        best = max(best, total)
+    return best
+
+
+def pair_bytes(pieces: Sequence[int]) -> int:
+    """Bytes two consecutive pieces hold together at most: what double buffering needs."""
+    return window_bytes(pieces, 2)
+
+
+class BudgetTooSmallError(ValueError):
+    """The budget cannot hold what must fit at once; ``smallest_budget`` is the least that works."""
+
+    def __init__(self, message: str, smallest_budget: int) -> None:
+        super().__init__(message)
+        self.smallest_budget = smallest_budget
+
+
+def format_bytes(size: int | float | None) -> str:
+    """Human-readable binary size, e.g. ``'1.50 GiB'``; ``None`` reads ``'unlimited'``."""
+    if size is None:
+        return "unlimited"
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """The budget of one model where it computes, and what is always held there.
+
+    ``budget`` is None when there is no limit; ``budget_name`` is the keyword the user set it with
+    (``cpu_memory`` or ``gpu_memory``), used in every message; ``fixed_bytes`` are the small parameters
+    and buffers kept on the device.
+    """
+
+    budget: int | None
+    budget_name: str = "gpu_memory"
+    fixed_bytes: int = 0
+
+    @classmethod
+    def where_it_computes(
+        cls, device_type: str, gpu_memory: int | None, cpu_memory: int | None, fixed_bytes: int = 0
+    ) -> MemoryModel:
+        """The budget of the compute device: ``gpu_memory`` on CUDA; on the CPU ``cpu_memory`` when set
+        (else ``gpu_memory``, which then sizes the pieces as if a device had that much)."""
+        if device_type == "cpu" and cpu_memory is not None:
+            return cls(cpu_memory, "cpu_memory", fixed_bytes)
+        return cls(gpu_memory, "gpu_memory", fixed_bytes)
+
+    def need(self, *, activations: int = 0, resident: int = 0, in_flight: int = 0) -> int:
+        """Bytes held at once with these activations, resident weights and pieces in flight."""
+        return self.fixed_bytes + activations + resident + in_flight
+
+    def fits(self, *, activations: int = 0, resident: int = 0, in_flight: int = 0) -> bool:
+        """Whether that much fits the budget (always, without one)."""
+        need = self.need(activations=activations, resident=resident, in_flight=in_flight)
+        return self.budget is None or need <= self.budget
+
+    def room(self, activations: int) -> int | None:
+        """Bytes left for weights (resident and in flight) beside these activations; None: no limit."""
+        return None if self.budget is None else self.budget - self.need(activations=activations)
+
+    def piece_target(self, policy: str, activations: int) -> int:
+        """The weight bytes one piece aims for under ``policy`` (at least 1)."""
+        room = self.room(activations)
+        assert room is not None, "no piece target without a budget"
+        return max(room // PIECE_DIVISOR[policy], 1)
+
+    def smallest_budget(self, largest_piece: int, activations: int) -> int:
+        """The least budget that streams pieces whose largest takes ``largest_piece`` bytes, two at once."""
+        return self.need(activations=activations, in_flight=2 * aligned(largest_piece))
+
+    def too_small(self, smallest: int, activations: int = 0, detail: str = "") -> BudgetTooSmallError:
+        """The one "budget too small" error: what the budget must hold, and the budget that works."""
+        what = f" ({detail})" if detail else ""
+        return BudgetTooSmallError(
+            f"{self.budget_name}={format_bytes(self.budget)} is too small for this model{what}. "
+            f"Two pieces in flight, {format_bytes(activations)} of activations and "
+            f"{format_bytes(self.fixed_bytes)} of resident small tensors need at least "
+            f"{format_bytes(smallest)}: pass {self.budget_name}={smallest} or more",
+            smallest_budget=smallest,
+        )
+
+    def check_weights(self, weight_bytes: Iterable[int]) -> None:
+        """Refuse up front a budget that cannot stream the largest weight (activations come later).
+
+        Raises:
+            BudgetTooSmallError: two of the largest weights do not fit beside the small tensors.
+        """
+        largest = max(weight_bytes, default=0)
+        if self.budget is None or not largest:
+            return
+        smallest = self.smallest_budget(largest, 0)
+        if smallest > self.budget:
+            detail = f"the largest weight takes {format_bytes(largest)} and two must fit at once"
+            raise self.too_small(smallest, 0, detail)

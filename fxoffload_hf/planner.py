@@ -1,0 +1,182 @@
+"""Planning: a captured graph, the store's facts and the budget in; an immutable plan out.
+
+Two steps, both free of threads and devices, so ``fxoffload-hf plan`` runs them on the meta device:
+
+- ``partition_for_budget``: the pieces of one graph, sized from the memory model and the policy;
+- ``plan_model``: for every graph of a model, with the weights where the store has them now, the staging
+  arena, the prefetch distance, the load groups and a ``LoadSpec`` per load (the loader of each weight),
+  as a ``ModelPlan`` the engine swaps in whole.
+
+``choose_residents`` turns a measured profile into the set of weights worth keeping; the engine hands it
+to the store, and plans again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from torch import fx
+
+from fxoffload_hf.loaders import LoadSpec, Reader, Way, way_of
+from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, pair_bytes, piece_bytes, window_bytes
+from fxoffload_hf.partition import Partition, partition_graph
+from fxoffload_hf.schedule import PieceProfile, choose_distance, choose_resident, load_groups
+from fxoffload_hf.weights import WeightRecord
+
+
+def partition_for_budget(
+    graph: fx.Graph, weight_bytes: Mapping[fx.Node, int], activations: int, memory: MemoryModel, policy: str
+) -> Partition:
+    """Partition a captured graph for ``memory``'s budget under ``policy``.
+
+    Raises:
+        BudgetTooSmallError: two of the largest unsplittable weight groups plus the activations do not
+            fit; the message names the smallest budget that works.
+    """
+    room = memory.room(activations)
+    if room is None:
+        return partition_graph(graph, weight_bytes, max(sum(weight_bytes.values()), 1))
+    target = memory.piece_target(policy, activations)
+    try:
+        # an unsplittable group larger than the target sits alone in its piece, as long as two such
+        # pieces could still be in flight together
+        result = partition_graph(graph, weight_bytes, target, max_atom=max(room // 2, target))
+    except BudgetTooSmallError as exc:
+        smallest = memory.smallest_budget(exc.smallest_budget, activations)
+        raise memory.too_small(smallest, activations, str(exc)) from None
+    pieces = [piece_bytes(weight_bytes[w] for w in p.weights) for p in result.pieces]
+    if not memory.fits(activations=activations, in_flight=pair_bytes(pieces)):
+        # pieces of the target size do not pair up within the room: one piece per largest atom
+        smallest = memory.smallest_budget(result.largest_atom_bytes, activations)
+        if smallest > room + memory.need(activations=activations):
+            raise memory.too_small(smallest, activations)
+        result = partition_graph(graph, weight_bytes, result.largest_atom_bytes)
+    return result
+
+
+@dataclass(frozen=True)
+class GraphSchedule:
+    """How one graph's pieces are loaded: which load starts at each piece, how far ahead, on what thread."""
+
+    loads: tuple[LoadSpec | None, ...]  # per piece: the load that starts there (None inside a group)
+    group_ends: tuple[int, ...]  # per piece: one past the last piece loaded with it
+    distance: int  # loads started ahead of the one the compute waits for
+    reader: Reader
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """The schedules of one graph: loads on the read-ahead thread, and (CPU only) loads on the calling
+    thread, for when the last call's loads cost little beside its compute."""
+
+    threaded: GraphSchedule
+    inline: GraphSchedule | None
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """Everything the runners of one model need, made for one placement of its weights."""
+
+    version: int  # the store's version it was made for
+    arena_bytes: int  # staging arena: two consecutive loads of staged weights
+    in_flight_bytes: int  # what the streamed pieces in flight hold at most (arena or mapped pages)
+    graphs: tuple[GraphPlan, ...]
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """What planning needs of one graph: its pieces' weights, and its profile once measured."""
+
+    piece_names: tuple[tuple[str, ...], ...]
+    lookups: frozenset[str]
+    profile: tuple[PieceProfile, ...] = ()
+
+
+def plan_model(
+    graphs: Sequence[GraphInput],
+    records: Mapping[str, WeightRecord],
+    *,
+    version: int,
+    memory: MemoryModel,
+    activations: int,
+    device_type: str,
+    policy: str,
+    threaded: Reader,
+    inline: Reader | None = None,
+) -> ModelPlan:
+    """Plan every graph of a model for the weights' current tiers (``records``)."""
+    per_graph = [[[records[n] for n in names] for names in g.piece_names] for g in graphs]
+    staged = [
+        [_bytes(piece, lambda r: way_of(r, device_type) is Way.STAGED) for piece in g] for g in per_graph
+    ]
+    streamed = [[_bytes(piece, lambda r: r.tier.from_file) for piece in g] for g in per_graph]
+    arena = max((pair_bytes(s) for s in staged if any(s)), default=0)
+    room = memory.room(activations)
+    distances = [
+        1
+        if arena or room is None or policy != "auto" or not g.profile
+        else _distance(g.profile, records, room)
+        for g in graphs
+    ]
+    in_flight = max(
+        (window_bytes(s, d + 1) for s, d in zip(streamed, distances, strict=True) if any(s)), default=0
+    )
+    inline_reader = inline if device_type == "cpu" else None
+    plans = []
+    for graph, pieces, sizes, distance in zip(graphs, per_graph, streamed, distances, strict=True):
+        singles = tuple(range(1, len(pieces) + 1))
+        build = _loads_builder(pieces, device_type, graph.lookups)
+        plans.append(
+            GraphPlan(
+                threaded=GraphSchedule(build(singles), singles, distance, threaded),
+                inline=None
+                if inline_reader is None
+                else GraphSchedule(
+                    # staged pieces share the arena two at a time: those load one by one
+                    build(singles if arena else tuple(load_groups(sizes, in_flight))),
+                    singles if arena else tuple(load_groups(sizes, in_flight)),
+                    0,
+                    inline_reader,
+                ),
+            )
+        )
+    return ModelPlan(version, arena, in_flight, tuple(plans))
+
+
+def choose_residents(profile: Sequence[PieceProfile], memory: MemoryModel, activations: int) -> set[str]:
+    """The weights worth keeping where the model computes, from a measured profile (see ``schedule``)."""
+    return choose_resident(list(profile), memory, activations)
+
+
+def _bytes(piece: list[WeightRecord], counted: Callable[[WeightRecord], bool]) -> int:
+    return piece_bytes(r.disk.nbytes for r in piece if r.disk is not None and counted(r))
+
+
+def _loads_builder(
+    pieces: list[list[WeightRecord]], device_type: str, lookups: frozenset[str]
+) -> Callable[[tuple[int, ...]], tuple[LoadSpec | None, ...]]:
+    def build(ends: tuple[int, ...]) -> tuple[LoadSpec | None, ...]:
+        loads: list[LoadSpec | None] = [None] * len(pieces)
+        start = 0
+        while start < len(pieces):
+            records = [r for piece in pieces[start : ends[start]] for r in piece]
+            loads[start] = LoadSpec.build(records, device_type, lookups, side=start % 2)
+            start = ends[start]
+        return tuple(loads)
+
+    return build
+
+
+def _distance(profile: Sequence[PieceProfile], records: Mapping[str, WeightRecord], room: int) -> int:
+    """How far ahead to load a graph's pieces: from its profile, with what stays resident taken out, in the
+    room the resident weights leave."""
+    streamed_profiles = []
+    for piece in profile:
+        streamed = {w: b for w, b in piece.weight_bytes.items() if records[w].tier.streams}
+        share = sum(streamed.values()) / max(piece.nbytes, 1)
+        streamed_profiles.append(
+            PieceProfile(tuple(streamed), streamed, piece.copy_seconds * share, piece.compute_seconds)
+        )
+        room -= piece.nbytes - sum(streamed.values())
+    return choose_distance(streamed_profiles, room)

@@ -1,0 +1,61 @@
+"""``offload`` installs in named steps and ``restore`` undoes them, leaving the module as it found it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxoffload_hf
+from fxoffload_hf.api import AttachedHook, PatchedAttribute, StoredParameter, SwappedParameter, engine_of
+
+
+def _snapshot(model: torch.nn.Module) -> dict:
+    return {
+        "params": {n: (p, p.data_ptr(), p.dtype) for n, p in model.named_parameters()},
+        "buffers": {n: b for n, b in model.named_buffers()},
+        "dicts": {n: set(m.__dict__) for n, m in model.named_modules()},
+        "hooks": {
+            n: (len(m._forward_pre_hooks), len(m._load_state_dict_pre_hooks))
+            for n, m in model.named_modules()
+        },
+    }
+
+
+def test_restore_undoes_every_install_step_in_reverse(build_model, example_input):
+    model = build_model("llama", num_hidden_layers=2)
+    x = example_input("llama")
+    before = _snapshot(model)
+    with torch.no_grad():
+        expected = model(x).logits
+    fxoffload_hf.offload(model, gpu_memory="1GiB", device="cpu")
+    assert engine_of(model).store.records
+    undo = model._fxoffload_state.undo
+    kinds = {type(u) for u in undo}
+    assert {SwappedParameter, StoredParameter, AttachedHook, PatchedAttribute} <= kinds
+    assert isinstance(undo[-1], PatchedAttribute) and undo[-1].attr == "forward"  # the entry point is last
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, expected)
+    fxoffload_hf.restore(model)
+    assert _snapshot(model) == before
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, expected)
+
+
+def test_a_failed_install_leaves_nothing_behind(build_model):
+    model = build_model("mlp")
+    before = _snapshot(model)
+    with pytest.raises(AttributeError):
+        fxoffload_hf.offload(model, device="cpu", entry_points=("forward", "no_such_method"))
+    assert _snapshot(model) == before
+    assert not hasattr(model, "_fxoffload_state")
+    fxoffload_hf.offload(model, device="cpu")  # and it can be offloaded again
+    fxoffload_hf.restore(model)
+
+
+def test_an_up_front_refusal_names_the_smallest_budget_and_installs_nothing(build_model):
+    model = build_model("mlp")
+    before = _snapshot(model)
+    with pytest.raises(fxoffload_hf.BudgetTooSmallError, match=r"pass gpu_memory=\d+") as info:
+        fxoffload_hf.offload(model, gpu_memory=1024, device="cpu")
+    assert info.value.smallest_budget > 1024
+    assert _snapshot(model) == before

@@ -1,0 +1,75 @@
+"""The memory model: one rule for what must fit, one error when it does not."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxoffload_hf.memory_model import (
+    BudgetTooSmallError,
+    MemoryModel,
+    aligned,
+    nbytes,
+    pair_bytes,
+    piece_bytes,
+    window_bytes,
+)
+
+
+def test_sizes_are_counted_at_aligned_offsets():
+    assert nbytes((3, 5), 4) == 60
+    assert nbytes((), 2) == 2
+    assert aligned(1) == 64 and aligned(64) == 64 and aligned(65) == 128
+    assert piece_bytes([1, 64, 65]) == 64 + 64 + 128
+
+
+def test_windows_of_consecutive_pieces():
+    assert window_bytes([5, 1, 1, 9, 2], 3) == 12
+    assert pair_bytes([5, 1, 1, 9, 2]) == 11
+    assert window_bytes([4], 3) == 4
+
+
+def test_what_is_held_adds_up_and_fits_exactly_at_the_budget():
+    memory = MemoryModel(1000, "cpu_memory", fixed_bytes=100)
+    assert memory.need(activations=200, resident=300, in_flight=400) == 1000
+    assert memory.fits(activations=200, resident=300, in_flight=400)
+    assert not memory.fits(activations=200, resident=300, in_flight=401)
+    assert memory.room(200) == 700
+    assert MemoryModel(None).fits(resident=10**15) and MemoryModel(None).room(5) is None
+
+
+def test_piece_target_splits_the_room_by_policy():
+    memory = MemoryModel(1000, fixed_bytes=100)
+    assert memory.piece_target("auto", 100) == 800 // 8
+    assert memory.piece_target("sequential", 100) == 800 // 2
+    assert MemoryModel(10, fixed_bytes=100).piece_target("auto", 0) == 1
+
+
+def test_smallest_budget_holds_two_of_the_largest_piece():
+    memory = MemoryModel(0, fixed_bytes=100)
+    smallest = memory.smallest_budget(largest_piece=1000, activations=50)
+    assert smallest == 100 + 50 + 2 * aligned(1000)
+    assert MemoryModel(smallest, fixed_bytes=100).fits(activations=50, in_flight=2 * aligned(1000))
+
+
+def test_the_error_names_the_budget_and_the_size_that_works():
+    error = MemoryModel(1000, "cpu_memory", fixed_bytes=10).too_small(5000, 300, "a detail")
+    assert isinstance(error, BudgetTooSmallError) and isinstance(error, ValueError)
+    assert error.smallest_budget == 5000
+    message = str(error)
+    assert "cpu_memory=1000 B is too small" in message and "(a detail)" in message
+    assert "300 B of activations" in message and "pass cpu_memory=5000 or more" in message
+
+
+def test_weights_are_checked_up_front_against_two_in_flight():
+    memory = MemoryModel(2 * 128 + 10, fixed_bytes=10)
+    memory.check_weights([100, 128])  # exactly fits
+    with pytest.raises(BudgetTooSmallError, match=r"largest weight takes 129 B.*pass gpu_memory=\d+") as info:
+        memory.check_weights([129])
+    assert info.value.smallest_budget == 10 + 2 * 192
+    MemoryModel(None).check_weights([10**12])  # no budget: nothing to refuse
+
+
+def test_the_budget_where_the_model_computes():
+    assert MemoryModel.where_it_computes("cuda", 10, 20).budget == 10
+    assert MemoryModel.where_it_computes("cpu", 10, 20) == MemoryModel(20, "cpu_memory", 0)
+    assert MemoryModel.where_it_computes("cpu", 10, None, 5) == MemoryModel(10, "gpu_memory", 5)

@@ -1,0 +1,92 @@
+"""The weight store: the one owner of where each weight lies, as a small state machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from fxoffload_hf.safetensors_io import read_header
+from fxoffload_hf.weights import Tier, WeightStore
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    tensors = {"a": torch.randn(64, 32), "b": torch.randn(128), "h": torch.randn(16, 16).half()}
+    save_file(tensors, tmp_path / "w.safetensors")
+    return tensors, read_header(tmp_path / "w.safetensors")
+
+
+def test_tiers_follow_keep_and_evict_on_the_cpu(checkpoint):
+    tensors, slices = checkpoint
+    store = WeightStore(CPU)
+    try:
+        record = store.add_disk("a", slices["a"])
+        assert record.tier is Tier.DISK and record.tier.streams and record.tier.from_file
+        version = store.version
+        store.keep("a")  # used in place: its file's pages kept mapped
+        assert record.tier is Tier.MAPPED and not record.tier.streams and record.host is None
+        assert torch.equal(record.resident, tensors["a"]) and store.version > version
+        store.evict("a")
+        assert record.tier is Tier.DISK and record.resident is None
+        converted = store.add_disk("h", slices["h"], torch.float32)  # a dtype change: not in place
+        store.keep("h")
+        assert converted.tier is Tier.DEVICE and torch.equal(converted.resident, tensors["h"].float())
+    finally:
+        store.close()
+
+
+def test_a_weight_whose_only_copy_is_in_ram_cannot_be_evicted_on_the_cpu():
+    store = WeightStore(CPU)
+    value = torch.randn(8, 8)
+    record = store.add_host("w", value)
+    assert record.tier is Tier.DEVICE and not store.movable(record)
+    assert record.resident is record.host and record.host.data_ptr() == value.data_ptr()  # held once
+    version = store.version
+    store.evict("w")
+    store.set_residents(set())
+    assert record.resident is record.host and store.version == version
+    store.close()
+
+
+def test_set_residents_keeps_exactly_the_movable_weights_wanted(checkpoint):
+    _tensors, slices = checkpoint
+    store = WeightStore(CPU)
+    try:
+        for name in ("a", "b"):
+            store.add_disk(name, slices[name])
+        store.set_residents({"a"})
+        assert {n for n, r in store.records.items() if r.resident is not None} == {"a"}
+        store.set_residents({"b"})
+        assert {n for n, r in store.records.items() if r.resident is not None} == {"b"}
+        assert store.kept_sources(list(store.records.values())) == [slices["b"]]
+    finally:
+        store.close()
+
+
+def test_spill_moves_ram_weights_to_disk_and_empties_their_sharers(tmp_path):
+    store = WeightStore(CPU)
+    param = torch.nn.Parameter(torch.randn(32, 4))
+    expected = param.detach().clone()
+    record = store.add_host("w", param.data)
+    store.sharers["w"] = [param]
+    version = store.version
+    store.spill(["w"], tmp_path)
+    assert record.tier is Tier.DISK and record.host is None and store.version > version
+    assert param.numel() == 0, "the model's parameter still holds the memory"
+    assert torch.equal(store.read(record), expected)
+    store.close()
+    assert not list(tmp_path.glob("*.safetensors")), "spilled files outlive the store"
+
+
+def test_set_dtype_converts_ram_copies_now_and_bumps_the_version():
+    store = WeightStore(CPU)
+    record = store.add_host("w", torch.randn(4, 4))
+    version = store.version
+    store.set_dtype("w", torch.bfloat16)
+    assert record.dtype == torch.bfloat16 and record.host.dtype == torch.bfloat16
+    assert record.resident is record.host and store.version > version
+    assert record.nbytes == 4 * 4 * 2
+    store.close()
