@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -20,27 +19,19 @@ from typing import Any
 import psutil
 import torch
 import transformers
+from harness import engine, model, report, targets
 
 import fxoffload_hf
 
 
 def build_checkpoint(size_gb: float, folder: Path) -> int:
     """A random-init bf16 Llama of about ``size_gb`` GB, saved as sharded safetensors; returns its bytes."""
-    hidden, inter, vocab = 2048, 5632, 32000
-    per_layer = 2 * (4 * hidden * hidden + 3 * hidden * inter)
-    layers = max(2, round((size_gb * 1e9 - 2 * 2 * vocab * hidden) / per_layer))
-    config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(folder, max_shard_size="1GB")
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    del model
+    config = model.llama_config(
+        size_gb, vocab=32000, hidden=2048, intermediate=5632, heads=16, dtype="bfloat16", min_layers=2
+    )
+    built = model.build(folder, config, device="cuda", shard_size="1GB")
     torch.cuda.empty_cache()
-    return nbytes
+    return built["bytes"]
 
 
 def h2d_bandwidth() -> float:
@@ -56,13 +47,14 @@ def h2d_bandwidth() -> float:
     return 5 * src.numel() / (time.perf_counter() - start)
 
 
-def decode(model: Any, ids: torch.Tensor, new_tokens: int) -> dict[str, Any]:
+def decode(lm: Any, ids: torch.Tensor, new_tokens: int) -> dict[str, Any]:
+    """Warm up, then time a greedy generate of ``new_tokens``: rate, step time, peak GPU and host memory."""
     with torch.no_grad():
-        model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up: capture, profile, schedule
+        lm.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up: capture, profile, schedule
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        out = lm.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return {
@@ -98,14 +90,16 @@ def main() -> None:
     torch.cuda.empty_cache()
 
     base_rss = psutil.Process().memory_info().rss
-    model = fxoffload_hf.from_pretrained(folder, gpu_memory=budget, cpu_memory=None, device="cuda")
-    results["fxoffload"] = decode(model, ids, args.new_tokens)
-    engine = fxoffload_hf.engine_of(model)
-    results["fxoffload"].update(engine.stats.as_dict())
+    offloaded = fxoffload_hf.from_pretrained(folder, gpu_memory=budget, cpu_memory=None, device="cuda")
+    results["fxoffload"] = decode(offloaded, ids, args.new_tokens)
+    figures = engine.engine_report(offloaded)
+    assert figures is not None, "fxoffload_hf.from_pretrained returned a model it does not run"
+    stats = figures["stats"]
+    results["fxoffload"].update(stats, store=figures["store"], pieces=figures["pieces"])
     results["fxoffload"]["host_rss_rise_bytes"] = results["fxoffload"]["host_rss_bytes"] - base_rss
-    streamed_per_step = engine.stats.bytes_streamed / max(engine.stats.calls, 1)
-    fxoffload_hf.restore(model)
-    del model
+    streamed_per_step = stats["bytes_streamed"] / max(stats["calls"], 1)
+    fxoffload_hf.restore(offloaded)
+    del offloaded
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -132,24 +126,29 @@ def main() -> None:
         "host_rss_rise_vs_model": round(fx["host_rss_rise_bytes"] / model_bytes, 3),
         "same_tokens": fx["tokens"] == results["eager"]["tokens"],
     }
-    print(f"{'mode':12}{'tok/s':>10}{'step ms':>10}{'peak GPU MiB':>14}{'host RSS MiB':>14}")
-    for mode, r in results.items():
-        print(
-            f"{mode:12}{r['tokens_per_second']:>10.2f}{r['step_seconds'] * 1e3:>10.2f}"
-            f"{r['peak_gpu_bytes'] / 2**20:>14.0f}{r['host_rss_bytes'] / 2**20:>14.0f}"
-        )
+    header = ("mode", "tok/s", "step ms", "peak GPU MiB", "host RSS MiB")
+    lines = [
+        (mode, f"{r['tokens_per_second']:.2f}", f"{r['step_seconds'] * 1e3:.2f}")
+        + (f"{r['peak_gpu_bytes'] / 2**20:.0f}", f"{r['host_rss_bytes'] / 2**20:.0f}")
+        for mode, r in results.items()
+    ]
+    print("\n".join(report.aligned([header, *lines])))
     print(json.dumps(summary, indent=2))
+    print("\ntargets:")
+    checks = [
+        targets.within("step time / max(compute, copy)", summary["step_vs_bound"], most=1.1),
+        targets.within("tok/s fxoffload / accelerate", summary["fx_vs_accelerate_tokens"], least=3),
+        targets.within("host RSS rise / model bytes", summary["host_rss_rise_vs_model"], most=1.1),
+    ]
     record = {
         "date": time.strftime("%Y-%m-%d"),
         "gpu": torch.cuda.get_device_name(),
-        "host": platform.platform(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "machine": report.machine(),
         "results": {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in results.items()},
         "summary": summary,
+        "targets": checks,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2))
+    report.write_json(Path(args.out), record)
 
 
 if __name__ == "__main__":

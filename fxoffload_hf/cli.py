@@ -11,42 +11,11 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
-
-
-class _PeakSampler:
-    """Samples this process's anonymous and file-backed resident memory for their peaks."""
-
-    def __init__(self, every: float = 0.02) -> None:
-        self.every = every
-        self.peak = {"RssAnon": 0, "RssFile": 0}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    @staticmethod
-    def read() -> dict[str, int]:
-        from fxoffload_hf.memory import process_status
-
-        return process_status(("RssAnon", "RssFile"))
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            for key, value in self.read().items():
-                self.peak[key] = max(self.peak[key], value)
-            self._stop.wait(self.every)
-
-    def __enter__(self) -> _PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def run_generation(
@@ -57,12 +26,13 @@ def run_generation(
     import transformers
 
     import fxoffload_hf
+    from fxoffload_hf.memory import PeakSampler, process_status
 
     torch.manual_seed(0)
     ids = torch.randint(0, 1000, (1, prompt_len))
     # dynamo's one-time import and set-up cost is not the model's: pay it before the baseline
     torch.compile(lambda x: x + 1, backend="eager")(ids)
-    base = _PeakSampler.read()
+    base = process_status(("RssAnon", "RssFile"))
     start = time.perf_counter()
     if mode == "eager":
         model = transformers.AutoModelForCausalLM.from_pretrained(folder)
@@ -72,7 +42,7 @@ def run_generation(
     with torch.no_grad():
         model.generate(ids, max_new_tokens=3, do_sample=False)  # warm-up: capture and profile
         model(ids)
-        with _PeakSampler() as sampler:
+        with PeakSampler() as sampler:
             start = time.perf_counter()
             model(ids)
             prefill = time.perf_counter() - start

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,23 +43,54 @@ def demo_config(arch: str, size_gb: float):
 
 def ensure_checkpoint(arch: str = "llama", size_gb: float = 1.0, folder: Path | None = None) -> Path:
     """Build (once) and return a sharded safetensors checkpoint with random weights."""
-    import transformers as tf
-
     folder = folder or cache_root() / f"demo-{arch}-{size_gb:g}gb"
     if (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
         return folder
     config = demo_config(arch, size_gb)
-    torch.manual_seed(0)
-    partial = folder.with_name(folder.name + ".partial")
     print(
         f"Building a random-init {arch} checkpoint of about {size_gb:g} GB in {folder} (once) ...", flush=True
     )
-    with torch.device("cpu"):
-        model = tf.AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(partial, max_shard_size="200MB")
-    del model
-    partial.rename(folder)
+    save_random_checkpoint(config, folder)
     return folder
+
+
+def save_random_checkpoint(
+    config: Any,
+    folder: Path,
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    shard_size: str = "200MB",
+    extra_files: dict[str, str] | None = None,
+    replace: bool = False,
+) -> dict[str, int]:
+    """Save a seeded random-init causal LM of ``config`` as safetensors shards (and ``extra_files``).
+
+    It is written beside ``folder`` and renamed into place, so an interrupted build never passes for a
+    checkpoint; an existing ``folder`` is deleted first only with ``replace``. Returns its parameter count
+    and bytes.
+    """
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = tf.AutoModelForCausalLM.from_config(config)
+    if dtype is not None:
+        model = model.to(dtype)
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial, max_shard_size=shard_size)
+    for name, text in (extra_files or {}).items():
+        (partial / name).write_text(text)
+    if replace:
+        shutil.rmtree(folder, ignore_errors=True)
+    os.replace(partial, folder)
+    params = list(model.parameters())
+    return {
+        "params": sum(p.numel() for p in params),
+        "bytes": sum(p.numel() * p.element_size() for p in params),
+    }
 
 
 def checkpoint_bytes(folder: Path) -> int:

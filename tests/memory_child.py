@@ -10,7 +10,7 @@ import sys
 import torch
 
 import fxoffload_hf
-from fxoffload_hf.memory import process_status as status
+from fxoffload_hf.memory import PeakSampler, process_status, reset_peak_rss
 
 
 def main() -> None:
@@ -28,19 +28,20 @@ def main() -> None:
         os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors")
     )
     budget = int(total * share)
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")  # reset the peak-RSS mark
-    base = status()
-    model = fxoffload_hf.from_pretrained(path, cpu_memory=budget, device="cpu")
-    with torch.no_grad():
-        tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
-    end = status()
+    reset_peak_rss()
+    base = process_status()
+    with PeakSampler(every=0.005) as sampler:
+        model = fxoffload_hf.from_pretrained(path, cpu_memory=budget, device="cpu")
+        with torch.no_grad():
+            tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
+    end = process_status()
     engine = fxoffload_hf.engine_of(model)
     report = {
         "checkpoint_bytes": total,
         "budget": budget,
         "peak_rise": end["VmHWM"] - base["VmRSS"],
         "anon_rise": end["RssAnon"] - base["RssAnon"],
+        "peak_anon_rise": sampler.peak["RssAnon"] - base["RssAnon"],
         "disk_bytes": engine.store.bytes_in(fxoffload_hf.weights.Tier.DISK),
         "tokens": tokens.tolist(),
     }

@@ -49,3 +49,7 @@ def test_peak_memory_stays_within_cpu_budget_plus_slack(tmp_path: Path):
     assert report["disk_bytes"] > report["checkpoint_bytes"] // 2
     assert report["peak_rise"] < report["budget"] + SLACK, report
     assert report["peak_rise"] < report["checkpoint_bytes"], report
+    # the sampled peak of private memory alone (the checkpoint's mapped pages are file-backed) stays
+    # within the budget too, and covers where private memory ended
+    assert 0 < report["peak_anon_rise"] < report["budget"] + SLACK, report
+    assert report["anon_rise"] <= report["peak_anon_rise"] + 2**20, report
