@@ -1,8 +1,16 @@
-"""Shared fixtures: tiny random-init models built from transformers configs."""
+"""Shared fixtures: tiny random-init models and checkpoints built from transformers configs.
+
+Test modules take these helpers as fixtures (``build_model``, ``example_input``, ``weight_bytes``,
+``save_checkpoint``, ``llama_master``, ``llama_ckpt``); the plain functions stay importable for modules
+not converted yet.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,14 +34,17 @@ class MLP(nn.Module):
 
 
 def build_model(kind: str, **overrides) -> nn.Module:
-    """A tiny random-init model of a real architecture, in eval mode, seeded."""
+    """A tiny random-init model of a real architecture, in eval mode, seeded.
+
+    ``overrides`` change the transformers config; for ``"mlp"`` they are ``width`` and ``depth``.
+    """
     import transformers as tf
 
     torch.manual_seed(0)
+    if kind == "mlp":
+        return MLP(**overrides).eval()
     common = dict(num_hidden_layers=4, num_attention_heads=4, hidden_size=128, intermediate_size=256)
     common.update(overrides)
-    if kind == "mlp":
-        return MLP().eval()
     if kind == "llama":
         cfg = tf.LlamaConfig(vocab_size=1000, num_key_value_heads=2, **common)
         return tf.LlamaForCausalLM(cfg).eval()
@@ -61,6 +72,116 @@ def example_input(kind: str) -> torch.Tensor:
 
 def weight_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def checkpoint_config(arch: str):
+    """The transformers config of the tiny checkpoints ``save_checkpoint`` writes (three layers)."""
+    import transformers as tf
+
+    small = dict(
+        num_hidden_layers=3, num_attention_heads=4, hidden_size=128, intermediate_size=256, vocab_size=1000
+    )
+    if arch == "llama":
+        return tf.LlamaConfig(num_key_value_heads=2, **small)
+    if arch == "qwen2":
+        return tf.Qwen2Config(num_key_value_heads=2, **small)
+    if arch == "mistral":
+        return tf.MistralConfig(num_key_value_heads=2, **small)
+    if arch == "mixtral":
+        return tf.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **small)
+    if arch == "opt":
+        return tf.OPTConfig(
+            num_hidden_layers=3, num_attention_heads=4, hidden_size=128, ffn_dim=256, vocab_size=1000,
+            word_embed_proj_dim=128,
+        )  # fmt: skip
+    if arch == "gpt_neox":
+        return tf.GPTNeoXConfig(**small)
+    if arch == "gpt2":
+        return tf.GPT2Config(n_layer=3, n_head=4, n_embd=128, vocab_size=1000)
+    if arch == "bert":
+        return tf.BertConfig(**small)
+    if arch == "t5":
+        return tf.T5Config(
+            vocab_size=1000,
+            d_model=128,
+            d_ff=256,
+            num_layers=2,
+            num_heads=4,
+            d_kv=32,
+            decoder_start_token_id=0,
+        )
+    raise ValueError(arch)
+
+
+def save_checkpoint(arch: str, folder: Path) -> nn.Module:
+    """Save a seeded tiny ``arch`` model as a sharded safetensors checkpoint; return it (eval mode)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = checkpoint_config(arch)
+    if arch == "bert":
+        model = tf.BertModel(config)
+    elif arch == "t5":
+        model = tf.T5ForConditionalGeneration(config)
+    else:
+        model = tf.AutoModelForCausalLM.from_config(config)
+    model.eval().save_pretrained(folder, max_shard_size="300KB")
+    return model
+
+
+# -- fixtures ---------------------------------------------------------------------------------------
+# Each helper fixture hands out the function above (session scope: module- and session-scoped fixtures
+# can use them too). The fixtures are registered under the helpers' names; the module attributes of
+# those names stay the plain functions.
+
+
+@pytest.fixture(name="build_model", scope="session")
+def build_model_fixture() -> Callable[..., nn.Module]:
+    """``build_model(kind, **overrides)``: a seeded tiny random-init model, in eval mode."""
+    return build_model
+
+
+@pytest.fixture(name="example_input", scope="session")
+def example_input_fixture() -> Callable[[str], torch.Tensor]:
+    """``example_input(kind)``: a seeded input batch for ``build_model(kind)``."""
+    return example_input
+
+
+@pytest.fixture(name="weight_bytes", scope="session")
+def weight_bytes_fixture() -> Callable[[nn.Module], int]:
+    """``weight_bytes(model)``: the bytes of a model's parameters."""
+    return weight_bytes
+
+
+@pytest.fixture(name="checkpoint_config", scope="session")
+def checkpoint_config_fixture() -> Callable[[str], object]:
+    """``checkpoint_config(arch)``: the config of the checkpoints ``save_checkpoint`` writes."""
+    return checkpoint_config
+
+
+@pytest.fixture(name="save_checkpoint", scope="session")
+def save_checkpoint_fixture() -> Callable[[str, Path], nn.Module]:
+    """``save_checkpoint(arch, folder)``: save a sharded tiny checkpoint and return its eager model."""
+    return save_checkpoint
+
+
+@pytest.fixture(scope="session")
+def llama_master(tmp_path_factory) -> tuple[Path, nn.Module]:
+    """A sharded tiny Llama checkpoint, saved once per session, and its eager model.
+
+    Shared: never write to the folder nor change the model; take ``llama_ckpt`` (a private copy) or copy it.
+    """
+    folder = tmp_path_factory.mktemp("llama-master")
+    return folder, save_checkpoint("llama", folder)
+
+
+@pytest.fixture
+def llama_ckpt(llama_master, tmp_path) -> tuple[Path, nn.Module]:
+    """A private copy of ``llama_master``'s checkpoint (a test may damage it) and the eager model."""
+    master, eager = llama_master
+    folder = tmp_path / "ckpt"
+    shutil.copytree(master, folder)
+    return folder, eager
 
 
 @pytest.fixture

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_transformers_integration import save_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,9 +32,10 @@ def save_tokenizer(folder: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("ckpt")
-    save_checkpoint("llama", folder)
+def checkpoint(llama_master, tmp_path_factory) -> Path:
+    """This module's copy of the tiny Llama checkpoint (tests add a tokenizer to it)."""
+    folder = tmp_path_factory.mktemp("cli") / "ckpt"
+    shutil.copytree(llama_master[0], folder)
     return folder
 
 
@@ -73,10 +75,27 @@ def test_generate_streams_tokens_and_draws_the_timeline(checkpoint, tmp_path):
     assert names == {"copy", "compute"}
 
 
-def test_generate_without_tokenizer_says_so(tmp_path):
-    save_checkpoint("llama", tmp_path)
-    done = run("generate", str(tmp_path), "--prompt", "hi", "--device", "cpu")
+def test_generate_without_tokenizer_says_so(llama_ckpt):
+    folder, _eager = llama_ckpt
+    done = run("generate", str(folder), "--prompt", "hi", "--device", "cpu")
     assert done.returncode == 2 and "no tokenizer" in done.stderr
+
+
+_SIZE = r"-?\d+(?:\.\d+)? (?:B|KiB|MiB|GiB|TiB)"
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def _bytes(size: str) -> float:
+    """Read back a size the command printed (``'4.83 MiB'``)."""
+    value, unit = size.split()
+    return float(value) * _UNITS[unit]
+
+
+def _line(output: str, pattern: str) -> re.Match[str]:
+    """The one line of ``output`` that ``pattern`` matches in full."""
+    found = [m for line in output.splitlines() if (m := re.fullmatch(pattern, line))]
+    assert len(found) == 1, f"{len(found)} lines match {pattern!r} in:\n{output}"
+    return found[0]
 
 
 def test_demo_runs_on_a_small_checkpoint(tmp_path):
@@ -84,8 +103,32 @@ def test_demo_runs_on_a_small_checkpoint(tmp_path):
         "demo", "--size", "0.02", "--max-new-tokens", "3", env={"XDG_CACHE_HOME": str(tmp_path)}, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "RANDOM weights" in done.stdout
-    assert "same tokens as eager" in done.stdout and "True" in done.stdout.split("same tokens as eager")[1]
+    out = done.stdout
+    size = _line(out, rf"Checkpoint: .+ \(({_SIZE}), RANDOM weights: the tokens mean nothing\)").group(1)
+    budget = _line(out, rf"CPU budget: ({_SIZE}) \(25% of the model\)").group(1)
+    assert _bytes(budget) == pytest.approx(0.25 * _bytes(size), rel=0.01)
+    # the plan runs under the demo's budget, in several pieces
+    assert _line(out, rf"budget +cpu_memory=({_SIZE})").group(1) == budget
+    assert _bytes(_line(out, rf"smallest budget +({_SIZE})").group(1)) <= _bytes(budget)
+    assert int(_line(out, r"pieces +(\d+) \(weights per piece .+\)").group(1)) >= 2
+    # both runs decoded and were measured
+    header = _line(out, r" +eager \(all in RAM\) +fxoffload")
+    rate = _line(out, r"decode tokens/s +(\d+\.\d\d) +(\d+\.\d\d)")
+    assert float(rate.group(1)) > 0 and float(rate.group(2)) > 0, rate.group(0)
+    _line(out, r"prefill seconds +\d+\.\d{3} +\d+\.\d{3}")
+    _line(out, rf"peak private memory +{_SIZE} +{_SIZE}")
+    _line(out, rf"peak file-backed memory +{_SIZE} +{_SIZE}")
+    # the offloaded model gave eager's tokens: True in the fxoffload column of that row
+    same = _line(out, r"same tokens as eager +True")
+    assert len(same.group(0)) == len(header.group(0)), (same.group(0), header.group(0))
+    summary = _line(
+        out,
+        rf"fxoffload: \d+ weights, .+; pieces per graph \[([\d, ]+)\]; "
+        rf"copy hidden behind compute (\d+)%; streamed ({_SIZE})",
+    )
+    assert max(int(n) for n in summary.group(1).split(", ")) >= 2, summary.group(0)
+    assert 0 <= int(summary.group(2)) <= 100, summary.group(0)
+    assert _bytes(summary.group(3)) > 0, "nothing was streamed under a 25% budget"
 
 
 @pytest.mark.parametrize(

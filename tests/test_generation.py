@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
-from test_transformers_integration import save_checkpoint
 
 import fxoffload_hf
 
@@ -12,9 +13,10 @@ IDS = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(5))
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama")
-    save_checkpoint("llama", folder)
+def llama_dir(llama_master, tmp_path_factory):
+    """This module's copy of the tiny Llama checkpoint (only read)."""
+    folder = tmp_path_factory.mktemp("generation") / "llama"
+    shutil.copytree(llama_master[0], folder)
     return folder
 
 
@@ -38,15 +40,17 @@ def test_generate_options_give_eager_tokens(llama_dir, options):
     torch.manual_seed(7)
     expected = eager.generate(IDS, max_new_tokens=6, **options)
     model = _load(llama_dir)
-    torch.manual_seed(7)
-    with torch.no_grad():
-        tokens = model.generate(IDS, max_new_tokens=6, **options)
-    assert torch.equal(tokens, expected)
-    fxoffload_hf.restore(model)
+    try:
+        torch.manual_seed(7)
+        with torch.no_grad():
+            tokens = model.generate(IDS, max_new_tokens=6, **options)
+        assert torch.equal(tokens, expected)
+    finally:
+        fxoffload_hf.restore(model)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_checkpoints_saved_in_half_precision(dtype, tmp_path):
+def test_checkpoints_saved_in_half_precision(dtype, tmp_path, save_checkpoint):
     import transformers as tf
 
     model = save_checkpoint("llama", tmp_path / "fp32")
@@ -54,9 +58,11 @@ def test_checkpoints_saved_in_half_precision(dtype, tmp_path):
     eager = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "half")
     assert eager.dtype == dtype
     offloaded = fxoffload_hf.from_pretrained(tmp_path / "half", cpu_memory=1_000_000, device="cpu")
-    with torch.no_grad():
-        assert torch.equal(offloaded(IDS).logits, eager(IDS).logits)
-    fxoffload_hf.restore(offloaded)
+    try:
+        with torch.no_grad():
+            assert torch.equal(offloaded(IDS).logits, eager(IDS).logits)
+    finally:
+        fxoffload_hf.restore(offloaded)
 
 
 def test_dtype_converts_while_streaming(llama_dir):
@@ -64,53 +70,62 @@ def test_dtype_converts_while_streaming(llama_dir):
 
     eager = tf.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16)
     model = fxoffload_hf.from_pretrained(llama_dir, cpu_memory=2_000_000, device="cpu", dtype=torch.bfloat16)
-    records = fxoffload_hf.engine_of(model).store.records.values()
-    assert all(r.dtype == torch.bfloat16 for r in records)
-    assert any(r.disk is not None and r.disk.dtype == torch.float32 for r in records)  # file untouched
-    with torch.no_grad():
-        assert torch.equal(model(IDS).logits, eager(IDS).logits)
-        assert torch.equal(
-            model.generate(IDS, max_new_tokens=5, do_sample=False),
-            eager.generate(IDS, max_new_tokens=5, do_sample=False),
-        )
-    fxoffload_hf.restore(model)
+    try:
+        records = fxoffload_hf.engine_of(model).store.records.values()
+        assert all(r.dtype == torch.bfloat16 for r in records)
+        assert any(r.disk is not None and r.disk.dtype == torch.float32 for r in records)  # file untouched
+        with torch.no_grad():
+            assert torch.equal(model(IDS).logits, eager(IDS).logits)
+            assert torch.equal(
+                model.generate(IDS, max_new_tokens=5, do_sample=False),
+                eager.generate(IDS, max_new_tokens=5, do_sample=False),
+            )
+    finally:
+        fxoffload_hf.restore(model)
 
 
 def test_two_hundred_decode_steps_compile_a_bounded_number_of_graphs(llama_dir):
     model = _load(llama_dir)
-    with torch.no_grad():
-        model.generate(IDS, max_new_tokens=200, min_new_tokens=200, do_sample=False)
-        for length in (3, 17, 30):
-            ids = torch.randint(0, 1000, (1, length), generator=torch.Generator().manual_seed(length))
-            model.generate(ids, max_new_tokens=5, do_sample=False)
-    # prefill, first decode step, then one dynamic-shape decode graph; prompts of new lengths may add
-    # one dynamic prefill graph: never one per step or per length
-    assert len(fxoffload_hf.engine_of(model).executors) <= 6
-    fxoffload_hf.restore(model)
+    try:
+        with torch.no_grad():
+            model.generate(IDS, max_new_tokens=200, min_new_tokens=200, do_sample=False)
+            for length in (3, 17, 30):
+                ids = torch.randint(0, 1000, (1, length), generator=torch.Generator().manual_seed(length))
+                model.generate(ids, max_new_tokens=5, do_sample=False)
+        # prefill, first decode step, then one dynamic-shape decode graph; prompts of new lengths may add
+        # one dynamic prefill graph: never one per step or per length
+        assert len(fxoffload_hf.engine_of(model).runners) <= 6
+    finally:
+        fxoffload_hf.restore(model)
 
 
-def test_text_generation_and_feature_extraction_pipelines(tmp_path):
+def test_text_generation_and_feature_extraction_pipelines(llama_dir):
     import transformers as tf
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    save_checkpoint("llama", tmp_path)
     vocab = {f"w{i}": i for i in range(1000)}
     raw = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = tf.PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="w0", pad_token="w0", eos_token="w1")
-    eager = tf.AutoModelForCausalLM.from_pretrained(tmp_path)
-    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=1_400_000, device="cpu")
     text = "w5 w17 w300 w42"
-    expected = tf.pipeline("text-generation", model=eager, tokenizer=tok)(
-        text, max_new_tokens=5, do_sample=False
-    )
-    got = tf.pipeline("text-generation", model=model, tokenizer=tok)(text, max_new_tokens=5, do_sample=False)
-    assert got == expected
-    fxoffload_hf.restore(model)
-    base = fxoffload_hf.AutoModel.from_pretrained(tmp_path, offload="fx", cpu_memory=1_400_000, device="cpu")
-    feats = tf.pipeline("feature-extraction", model=base, tokenizer=tok)
-    eager_feats = tf.pipeline(
-        "feature-extraction", model=tf.AutoModel.from_pretrained(tmp_path), tokenizer=tok
-    )
-    assert feats(text) == eager_feats(text)
-    fxoffload_hf.restore(base)
+    eager = tf.AutoModelForCausalLM.from_pretrained(llama_dir)
+    model = fxoffload_hf.from_pretrained(llama_dir, cpu_memory=1_400_000, device="cpu")
+    try:
+        expected = tf.pipeline("text-generation", model=eager, tokenizer=tok)(
+            text, max_new_tokens=5, do_sample=False
+        )
+        got = tf.pipeline("text-generation", model=model, tokenizer=tok)(
+            text, max_new_tokens=5, do_sample=False
+        )
+        assert got == expected
+    finally:
+        fxoffload_hf.restore(model)
+    base = fxoffload_hf.AutoModel.from_pretrained(llama_dir, offload="fx", cpu_memory=1_400_000, device="cpu")
+    try:
+        feats = tf.pipeline("feature-extraction", model=base, tokenizer=tok)
+        eager_feats = tf.pipeline(
+            "feature-extraction", model=tf.AutoModel.from_pretrained(llama_dir), tokenizer=tok
+        )
+        assert feats(text) == eager_feats(text)
+    finally:
+        fxoffload_hf.restore(base)

@@ -5,9 +5,15 @@ Run on a machine with CUDA by `scripts/gpu_check.sh` (`pytest -m gpu`); skipped 
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
+import traceback
+import warnings
+from collections.abc import Iterator
+
 import pytest
 import torch
-from conftest import build_model, example_input, weight_bytes
 
 import fxoffload_hf
 
@@ -18,7 +24,7 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "mlp"])
-def test_gpu_offload_equals_eager_on_the_gpu(kind):
+def test_gpu_offload_equals_eager_on_the_gpu(kind, build_model, example_input, weight_bytes):
     model = build_model(kind)
     x = example_input(kind).cuda()
     with torch.no_grad():
@@ -32,14 +38,14 @@ def test_gpu_offload_equals_eager_on_the_gpu(kind):
             out = out if isinstance(out, torch.Tensor) else out.logits
             out2 = model(x)
             out2 = out2 if isinstance(out2, torch.Tensor) else out2.logits
-        assert len(fxoffload_hf.engine_of(model).executors[0].piece_bytes) >= 4
+        assert fxoffload_hf.engine_of(model).runners[0].program.pieces >= 4
         torch.testing.assert_close(out, expected)
         assert torch.equal(out, out2)
     finally:
         fxoffload_hf.restore(model)
 
 
-def test_gpu_budget_is_kept():
+def test_gpu_budget_is_kept(build_model, example_input, weight_bytes):
     model = build_model("llama", num_hidden_layers=8, hidden_size=512, intermediate_size=1024)
     total = weight_bytes(model)
     budget = int(total * 0.3)
@@ -59,25 +65,82 @@ def test_gpu_budget_is_kept():
         fxoffload_hf.restore(model)
 
 
-def test_steady_state_has_no_host_blocking_sync():
+@contextlib.contextmanager
+def _cuda_syncs() -> Iterator[list[tuple[int, str]]]:
+    """Record the CUDA synchronizations made while the block runs, each with the thread that made it.
+
+    Yields a list of ``(thread ident, what)``. Explicit synchronizations are seen by spying on
+    ``torch.cuda.synchronize``, ``torch.cuda.Event.synchronize`` and ``torch.cuda.Stream.synchronize``;
+    implicit ones (``.item()``, a blocking copy to the host, ...) by CUDA sync debug mode "warn", whose
+    warnings are raised in the thread that synchronized. (Mode "error" would also raise in the engine's
+    read-ahead thread, which waits for its copies by design.)
+    """
+    syncs: list[tuple[int, str]] = []
+
+    def spy(what: str, original):
+        @functools.wraps(original)
+        def spied(*args, **kwargs):
+            caller = traceback.extract_stack(limit=2)[0]
+            syncs.append((threading.get_ident(), f"{what} from {caller.filename}:{caller.lineno}"))
+            return original(*args, **kwargs)
+
+        return spied
+
+    previous_mode = torch.cuda.get_sync_debug_mode()
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        forward = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if "synchronizing" in str(message):
+                syncs.append((threading.get_ident(), f"{message} at {filename}:{lineno}"))
+            else:
+                forward(message, category, filename, lineno, file, line)
+
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        patch.setattr(torch.cuda, "synchronize", spy("torch.cuda.synchronize", torch.cuda.synchronize))
+        for cls in (torch.cuda.Event, torch.cuda.Stream):
+            patch.setattr(cls, "synchronize", spy(f"{cls.__name__}.synchronize", cls.synchronize))
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield syncs
+        finally:
+            torch.cuda.set_sync_debug_mode(previous_mode)
+
+
+def test_steady_state_has_no_host_blocking_sync(build_model, example_input, weight_bytes):
+    caller = threading.get_ident()
+    # the check sees this thread's explicit and implicit synchronizations
+    with _cuda_syncs() as explicit:
+        torch.cuda.synchronize()
+    assert any(t == caller and w.startswith("torch.cuda.synchronize") for t, w in explicit), explicit
+    with _cuda_syncs() as implicit:
+        torch.ones(1, device="cuda").item()
+    assert any(t == caller and "synchronizing" in w for t, w in implicit), implicit
+
     model = build_model("llama")
     x = example_input("llama").cuda()
     fxoffload_hf.offload(model, gpu_memory=int(weight_bytes(model) * 0.5), device="cuda")
     try:
+        engine = fxoffload_hf.engine_of(model)
         with torch.no_grad():
             model(x)  # capture and profile (synchronizes on purpose)
             model(x)
             torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                model(x)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+            streamed = engine.stats.bytes_streamed
+            with _cuda_syncs() as syncs:
+                for _ in range(3):
+                    model(x)
+            torch.cuda.synchronize()
+        # the read-ahead thread waits for its own copies (by design): only this thread must not block
+        on_caller = [what for thread, what in syncs if thread == caller]
+        assert on_caller == [], "\n".join(on_caller)
+        assert engine.stats.bytes_streamed > streamed, "the steady-state calls streamed no weights"
     finally:
         fxoffload_hf.restore(model)
 
 
-def test_host_ram_holds_each_weight_once():
+def test_host_ram_holds_each_weight_once(build_model, weight_bytes):
     model = build_model("llama", num_hidden_layers=6, hidden_size=512, intermediate_size=1024)
     ptrs_before = {p.data_ptr() for p in model.parameters()}
     fxoffload_hf.offload(model, gpu_memory=int(weight_bytes(model) * 0.3), device="cuda")

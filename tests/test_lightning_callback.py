@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_model, weight_bytes
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -27,9 +26,9 @@ EXAMPLE = ROOT / "examples" / "lightning_predict.py"
 class LlamaModule(pl.LightningModule):
     """A tiny HF Llama in ``self.model``; every inference step records its logits."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
-        self.model = build_model("llama")
+        self.model = model
         self.seen: list[torch.Tensor] = []
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -116,8 +115,25 @@ def _run(stage: str, module: LlamaModule, trainer: pl.Trainer) -> list[torch.Ten
     return module.seen
 
 
-def _half_budget(**kwargs) -> FxOffloadCallback:
-    return FxOffloadCallback(gpu_memory=int(weight_bytes(build_model("llama")) * 0.5), **kwargs)
+@pytest.fixture
+def llama_module(build_model):
+    """``llama_module(cls=LlamaModule)``: a new module around a fresh tiny Llama (the same weights each time)."""
+
+    def make(cls: type[LlamaModule] = LlamaModule) -> LlamaModule:
+        return cls(build_model("llama"))
+
+    return make
+
+
+@pytest.fixture
+def half_budget(build_model, weight_bytes):
+    """``half_budget(**kwargs)``: a callback whose GPU budget is half the tiny Llama's weights."""
+    budget = int(weight_bytes(build_model("llama")) * 0.5)
+
+    def make(**kwargs) -> FxOffloadCallback:
+        return FxOffloadCallback(gpu_memory=budget, **kwargs)
+
+    return make
 
 
 def _assert_restored(module: LlamaModule, before: dict[str, tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
@@ -134,10 +150,10 @@ def _assert_restored(module: LlamaModule, before: dict[str, tuple[torch.nn.Param
 @pytest.mark.parametrize(
     "stage, target", [("predict", "model"), ("test", "model"), ("validate", "model"), ("predict", None)]
 )
-def test_inference_loops_equal_plain_runs(stage, target):
-    expected = _run(stage, LlamaModule(), _trainer())
-    callback = _half_budget(target=target)
-    got = _run(stage, LlamaModule(), _trainer([callback]))
+def test_inference_loops_equal_plain_runs(stage, target, llama_module, half_budget):
+    expected = _run(stage, llama_module(), _trainer())
+    callback = half_budget(target=target)
+    got = _run(stage, llama_module(), _trainer([callback]))
     assert len(got) == len(expected) == 3
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b)
@@ -146,8 +162,8 @@ def test_inference_loops_equal_plain_runs(stage, target):
     assert stats["pieces_run"] >= 4 * stats["calls"]
 
 
-def test_teardown_restores_module_and_logs_stats(tmp_path):
-    module = LlamaModule()
+def test_teardown_restores_module_and_logs_stats(tmp_path, llama_module, weight_bytes):
+    module = llama_module()
     before = {n: (p, p.detach().clone()) for n, p in module.named_parameters()}
     logger = RecordingLogger()
     callback = FxOffloadCallback(
@@ -168,8 +184,8 @@ def test_teardown_restores_module_and_logs_stats(tmp_path):
     assert logged["fxoffload/predict/peak_memory_bytes/cpu"] > 0
 
 
-def test_callback_serves_several_runs():
-    module, callback = LlamaModule(), _half_budget(target="model")
+def test_callback_serves_several_runs(llama_module, half_budget):
+    module, callback = llama_module(), half_budget(target="model")
     trainer = _trainer([callback])
     first = list(_run("validate", module, trainer))
     module.seen.clear()
@@ -177,24 +193,24 @@ def test_callback_serves_several_runs():
     assert callback.last_stats["stage"] == "predict"
 
 
-def test_module_is_restored_when_a_step_fails():
+def test_module_is_restored_when_a_step_fails(llama_module, half_budget):
     class Failing(LlamaModule):
         def predict_step(self, batch, batch_idx):
             if batch_idx == 1:
                 raise RuntimeError("step failed")
             return self._step(batch)
 
-    module = Failing()
+    module = llama_module(Failing)
     before = {n: (p, p.detach().clone()) for n, p in module.named_parameters()}
     with pytest.raises(RuntimeError, match="step failed"):
-        _run("predict", module, _trainer([_half_budget(target="model")]))
+        _run("predict", module, _trainer([half_budget(target="model")]))
     _assert_restored(module, before)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
-def test_lightning_setup_neither_copies_nor_converts_ghosts(precision):
+def test_lightning_setup_neither_copies_nor_converts_ghosts(precision, llama_module, half_budget):
     probe = GhostProbe()
-    _run("predict", LlamaModule(), _trainer([_half_budget(target="model"), probe], precision=precision))
+    _run("predict", llama_module(), _trainer([half_budget(target="model"), probe], precision=precision))
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
     assert len(probe.ghosts) >= 4
     for ghost, nbytes in zip(probe.ghosts, probe.storage_bytes, strict=True):
@@ -203,25 +219,25 @@ def test_lightning_setup_neither_copies_nor_converts_ghosts(precision):
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
-def test_precision_gives_the_same_predictions(precision):
+def test_precision_gives_the_same_predictions(precision, llama_module, half_budget):
     # on the CPU Lightning runs "16-mixed" as bf16 autocast: "bf16-mixed" covers it
-    expected = _run("predict", LlamaModule(), _trainer(precision=precision))
-    got = _run("predict", LlamaModule(), _trainer([_half_budget(target="model")], precision=precision))
+    expected = _run("predict", llama_module(), _trainer(precision=precision))
+    got = _run("predict", llama_module(), _trainer([half_budget(target="model")], precision=precision))
     assert expected[0].dtype == torch.bfloat16
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b)
 
 
-def test_fit_is_refused():
-    module = LlamaModule()
+def test_fit_is_refused(llama_module, half_budget):
+    module = llama_module()
     with pytest.raises(ValueError, match="inference loops.*not 'fit'"):
-        _trainer([_half_budget(target="model")]).fit(module, _data())
+        _trainer([half_budget(target="model")]).fit(module, _data())
     assert not hasattr(module.model, "_fxoffload_state")
 
 
-def test_missing_target_is_refused_at_setup():
+def test_missing_target_is_refused_at_setup(llama_module, half_budget):
     with pytest.raises(ValueError, match="no submodule"):
-        _trainer([_half_budget(target="encoder")]).predict(LlamaModule(), _data())
+        _trainer([half_budget(target="encoder")]).predict(llama_module(), _data())
 
 
 @pytest.mark.parametrize(
@@ -255,22 +271,28 @@ def _run_example(args: list[str]) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def _reference(ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return build_model("llama")(ids).logits[:, -1]
+@pytest.fixture
+def reference(build_model):
+    """``reference(ids)``: the last-position logits of the tiny Llama, without offload."""
+
+    def last_logits(ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return build_model("llama")(ids).logits[:, -1]
+
+    return last_logits
 
 
-def test_example_runs_on_a_tiny_model(tmp_path):
+def test_example_runs_on_a_tiny_model(tmp_path, reference):
     args = ["--cpu-memory", "2MB", "--policy", "sequential", "--offload-folder", str(tmp_path / "off")]
     proc = _run_example([*args, "--save-dir", str(tmp_path)])
     assert proc.stdout.count("next token") == 8
     stats = json.loads((tmp_path / "stats-rank0.json").read_text())
     assert stats["bytes_streamed"] > 0 and stats["calls"] == 4
     saved = torch.load(tmp_path / "predictions-rank0.pt")
-    assert torch.equal(saved["logits"], _reference(saved["ids"]))
+    assert torch.equal(saved["logits"], reference(saved["ids"]))
 
 
-def test_two_process_ddp_predict_equals_one_process_without_offload(tmp_path):
+def test_two_process_ddp_predict_equals_one_process_without_offload(tmp_path, reference):
     _run_example(["--devices", "2", "--strategy", "ddp", "--save-dir", str(tmp_path)])
     parts = [torch.load(tmp_path / f"predictions-rank{r}.pt") for r in (0, 1)]
     assert all(len(p["index"]) == 4 for p in parts)
@@ -278,7 +300,7 @@ def test_two_process_ddp_predict_equals_one_process_without_offload(tmp_path):
     ids = torch.cat([p["ids"] for p in parts])[index.argsort()]
     logits = torch.cat([p["logits"] for p in parts])[index.argsort()]
     assert index.sort().values.tolist() == list(range(8))
-    assert torch.equal(logits, _reference(ids))
+    assert torch.equal(logits, reference(ids))
     for rank in (0, 1):
         assert json.loads((tmp_path / f"stats-rank{rank}.json").read_text())["calls"] == 2
 
@@ -286,7 +308,7 @@ def test_two_process_ddp_predict_equals_one_process_without_offload(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-true"])
-def test_cuda_predict_equals_plain_run_and_returns_weights_to_host(precision):
+def test_cuda_predict_equals_plain_run_and_returns_weights_to_host(precision, llama_module, half_budget):
     def trainer(callbacks=()):
         return pl.Trainer(
             accelerator="gpu",
@@ -298,9 +320,9 @@ def test_cuda_predict_equals_plain_run_and_returns_weights_to_host(precision):
             enable_model_summary=False,
         )
 
-    expected = _run("predict", LlamaModule(), trainer())
-    module = LlamaModule()
-    callback = _half_budget(target="model")
+    expected = _run("predict", llama_module(), trainer())
+    module = llama_module()
+    callback = half_budget(target="model")
     got = _run("predict", module, trainer([callback]))
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b)

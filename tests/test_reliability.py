@@ -17,18 +17,18 @@ import signal
 import subprocess
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from conftest import MLP, build_model, example_input, weight_bytes
 from safetensors.torch import load_file, save_file
-from test_transformers_integration import save_checkpoint
 
 import fxoffload_hf
+from fxoffload_hf.api import OwnedFolder
 from fxoffload_hf.capture import OffloadedWeightAccessError
-from fxoffload_hf.executor import PieceError
+from fxoffload_hf.runner import PieceError
 from fxoffload_hf.safetensors_io import CheckpointError, read_header
 from fxoffload_hf.weights import Tier
 
@@ -39,11 +39,6 @@ _PASS_RE = re.compile(r"pass (gpu_memory|cpu_memory)=(\d+)")
 def _logits(model, ids=IDS):
     with torch.no_grad():
         return model(ids).logits
-
-
-def _mlp(width: int = 256, depth: int = 6) -> MLP:
-    torch.manual_seed(0)
-    return MLP(width, depth).eval()
 
 
 def _streamed_shards(model) -> list[Path]:
@@ -86,20 +81,35 @@ def _named_budget(exc: BaseException) -> int:
 # -- fixtures -------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def llama_master(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama-master")
-    eager = save_checkpoint("llama", folder)
-    return folder, eager
+# llama_ckpt (conftest.py): a private copy of a sharded tiny Llama checkpoint and its eager model
 
 
 @pytest.fixture
-def llama_ckpt(llama_master, tmp_path):
-    """A private copy of a sharded tiny Llama checkpoint (tests damage it) and its eager model."""
-    master, eager = llama_master
-    folder = tmp_path / "ckpt"
-    shutil.copytree(master, folder)
-    return folder, eager
+def mlp(build_model):
+    """``mlp(width=256, depth=6)``: a seeded MLP in eval mode."""
+
+    def make(width: int = 256, depth: int = 6) -> torch.nn.Module:
+        return build_model("mlp", width=width, depth=depth)
+
+    return make
+
+
+@pytest.fixture
+def mlp_case(mlp):
+    """The default MLP, a batch of input and the MLP's output for it (before any offload)."""
+    model = mlp()
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(x)
+    return model, x, expected
+
+
+@pytest.fixture
+def small_llama(build_model, example_input):
+    """A two-layer tiny Llama, its example input and its logits for it (before any offload)."""
+    model = build_model("llama", num_hidden_layers=2)
+    x = example_input("llama")
+    return model, x, _logits(model, x)
 
 
 @pytest.fixture
@@ -166,9 +176,10 @@ def test_damaged_shard_is_named_at_the_next_call_and_the_model_recovers(llama_ck
         fxoffload_hf.restore(model)
 
 
-def test_no_room_in_offload_folder_leaves_no_files_and_no_half_offloaded_model(full_folder):
-    model = build_model("llama", num_hidden_layers=2)
-    expected = _logits(model, example_input("llama"))
+def test_no_room_in_offload_folder_leaves_no_files_and_no_half_offloaded_model(
+    full_folder, small_llama, weight_bytes
+):
+    model, x, expected = small_llama
     before = _params(model)
     target = full_folder / "weights"
     with pytest.raises(Exception):  # noqa: B017 - the type is checked in the next test
@@ -178,19 +189,21 @@ def test_no_room_in_offload_folder_leaves_no_files_and_no_half_offloaded_model(f
     assert [p for p in full_folder.rglob("*") if not p.is_dir()] == []
     assert shutil.disk_usage(full_folder).used < 16 * 1024
     _assert_not_offloaded(model, before)
-    assert torch.equal(_logits(model, example_input("llama")), expected)
+    assert torch.equal(_logits(model, x), expected)
 
 
-def test_no_room_in_offload_folder_is_a_clear_oserror(full_folder):
-    model = build_model("llama", num_hidden_layers=2)
+def test_no_room_in_offload_folder_is_a_clear_oserror(full_folder, small_llama, weight_bytes):
+    model, _x, _expected = small_llama
     with pytest.raises(OSError, match="offload_folder"):
         fxoffload_hf.offload(
             model, cpu_memory=int(weight_bytes(model) * 0.6), offload_folder=full_folder, device="cpu"
         )
 
 
-def test_interrupted_spill_leaves_no_partial_file_and_no_half_offloaded_model(tmp_path, monkeypatch):
-    model = build_model("llama", num_hidden_layers=2)
+def test_interrupted_spill_leaves_no_partial_file_and_no_half_offloaded_model(
+    tmp_path, monkeypatch, small_llama, weight_bytes
+):
+    model, _x, _expected = small_llama
     before = _params(model)
 
     def half_then_interrupt(tensors, path, *args, **kwargs):
@@ -218,25 +231,27 @@ def _interrupt_main_soon(entered: threading.Event) -> threading.Thread:
 
 
 @pytest.mark.parametrize("where", ["piece", "reader", "signal-after-piece", "signal-while-waiting"])
-def test_keyboard_interrupt_mid_forward_leaves_a_working_model(where):
+def test_keyboard_interrupt_mid_forward_leaves_a_working_model(where, mlp_case, weight_bytes):
     if where.startswith("signal") and signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("SIGINT is not Python's default handler here")
     before_threads = set(threading.enumerate())
-    model = _mlp()
-    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = model(x)
+    model, x, expected = mlp_case
     fxoffload_hf.offload(model, cpu_memory=int(weight_bytes(model) * 0.6), device="cpu", policy="sequential")
     try:
         with torch.no_grad():
             assert torch.equal(model(x), expected)
         engine = fxoffload_hf.engine_of(model)
-        (executor,) = engine.executors
-        assert len(executor.piece_bytes) >= 4
-        step = next(s for s in executor.steps if s.piece == 2)
-        piece_fn, load = step.fn, engine.copy._load
+        (runner,) = engine.runners
+        program = runner.program
+        assert program.pieces >= 4
+        step = next(s for s in program.steps if s.piece == 2)
+        piece_fn, load = step.fn, engine.loader.load
         entered, release = threading.Event(), threading.Event()
         loads = []
+
+        def running(fn):
+            """The program with piece 2 running ``fn``."""
+            return replace(program, steps=tuple(replace(s, fn=fn) if s is step else s for s in program.steps))
 
         def raising_piece(*args):
             raise KeyboardInterrupt
@@ -245,40 +260,40 @@ def test_keyboard_interrupt_mid_forward_leaves_a_working_model(where):
             result = piece_fn(*args)
             import _thread
 
-            _thread.interrupt_main()  # delivered at the next bytecode, somewhere in the executor
+            _thread.interrupt_main()  # delivered at the next bytecode, somewhere in the runner
             return result
 
-        def raising_load(records, side, *rest):
-            loads.append(side)
+        def raising_load(spec):
+            loads.append(spec)
             if len(loads) == 3:
                 raise KeyboardInterrupt
-            return load(records, side, *rest)
+            return load(spec)
 
-        def slow_load(records, side, *rest):
-            loads.append(side)
+        def slow_load(spec):
+            loads.append(spec)
             if len(loads) == 2:
                 entered.set()
-                # SIGINT does not wake the executor blocked in Future.result(): the interrupt lands
+                # SIGINT does not wake the runner blocked in Future.result(): the interrupt lands
                 # when this read returns (see the report of issue 7); keep the read short
                 release.wait(0.5)
-            return load(records, side, *rest)
+            return load(spec)
 
         if where == "piece":
-            step.fn = raising_piece
+            runner.program = running(raising_piece)
         elif where == "signal-after-piece":
-            step.fn = signal_after_piece
+            runner.program = running(signal_after_piece)
         elif where == "reader":
-            engine.copy._load = raising_load
+            engine.loader.load = raising_load
         else:
-            engine.copy._load = slow_load
+            engine.loader.load = slow_load
             _interrupt_main_soon(entered)
         try:
             with pytest.raises(KeyboardInterrupt), torch.no_grad():
                 model(x)
         finally:
-            step.fn = piece_fn
+            runner.program = program
             release.set()
-            engine.copy.__dict__.pop("_load", None)
+            engine.loader.__dict__.pop("load", None)
         # the engine is not stuck: its lock is free for another thread, and the thread left the engine
         took = []
 
@@ -302,29 +317,28 @@ def test_keyboard_interrupt_mid_forward_leaves_a_working_model(where):
     assert not [t for t in _extra_threads(before_threads) if t.name.startswith("fxoffload")]
 
 
-def test_exception_in_a_piece_names_the_piece_and_chains_the_original():
-    model = _mlp()
-    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = model(x)
+def test_exception_in_a_piece_names_the_piece_and_chains_the_original(mlp_case, weight_bytes):
+    model, x, expected = mlp_case
     fxoffload_hf.offload(model, gpu_memory=int(weight_bytes(model) * 0.5), device="cpu")
     try:
         with torch.no_grad():
             model(x)
-        (executor,) = fxoffload_hf.engine_of(model).executors
-        step = next(s for s in executor.steps if s.piece == 1)
-        piece_fn = step.fn
+        (runner,) = fxoffload_hf.engine_of(model).runners
+        program = runner.program
+        step = next(s for s in program.steps if s.piece == 1)
         original = ValueError("boom in the middle of a piece")
 
         def failing(*args):
             raise original
 
-        step.fn = failing
+        runner.program = replace(
+            program, steps=tuple(replace(s, fn=failing) if s is step else s for s in program.steps)
+        )
         try:
             with pytest.raises(PieceError) as info, torch.no_grad():
                 model(x)
         finally:
-            step.fn = piece_fn
+            runner.program = program
         assert info.value.__cause__ is original
         assert "piece 1" in str(info.value) and str(step.node.target) in str(info.value)
         assert "boom in the middle of a piece" in str(info.value)
@@ -334,10 +348,10 @@ def test_exception_in_a_piece_names_the_piece_and_chains_the_original():
         fxoffload_hf.restore(model)
 
 
-def test_many_recompilations_never_give_silent_nan():
-    model = _mlp(128, 3)
+def test_many_recompilations_never_give_silent_nan(mlp, weight_bytes):
+    model = mlp(128, 3)
     fxoffload_hf.offload(model, gpu_memory=2 * weight_bytes(model), device="cpu")
-    eager = _mlp(128, 3)
+    eager = mlp(128, 3)
     try:
         for rank in range(1, 12):  # each rank is a new graph; dynamo stops compiling after 8
             x = torch.randn(*([2] * (rank - 1)), 128, generator=torch.Generator().manual_seed(rank))
@@ -355,30 +369,32 @@ def test_many_recompilations_never_give_silent_nan():
 # -- 1. budget refusals (deterministic companions of the property tests) --------------------------
 
 
-def _llama_and_up_front_smallest():
-    model = build_model("llama", num_hidden_layers=2)
+@pytest.fixture
+def up_front_smallest(small_llama):
+    """The budget ``offload`` names when refusing ``small_llama`` with gpu_memory=1 (from shapes alone)."""
+    model = small_llama[0]
     with pytest.raises(ValueError) as info:
         fxoffload_hf.offload(model, gpu_memory=1, device="cpu")
-    return model, _named_budget(info.value)
+    return _named_budget(info.value)
 
 
-def test_refusal_at_the_first_call_is_a_value_error():
-    model, up_front = _llama_and_up_front_smallest()
-    fxoffload_hf.offload(model, gpu_memory=up_front, device="cpu")
+def test_refusal_at_the_first_call_is_a_value_error(small_llama, up_front_smallest):
+    model, x, _expected = small_llama
+    fxoffload_hf.offload(model, gpu_memory=up_front_smallest, device="cpu")
     try:
         with pytest.raises(ValueError, match=r"pass gpu_memory=\d+"):
-            _logits(model, example_input("llama"))
+            _logits(model, x)
     finally:
         fxoffload_hf.restore(model)
 
 
-def test_budget_named_at_the_first_call_is_the_smallest_that_works():
-    model, up_front = _llama_and_up_front_smallest()
-    expected = _logits(model, example_input("llama"))
+def test_budget_named_at_the_first_call_is_the_smallest_that_works(small_llama, up_front_smallest):
+    model, x, expected = small_llama
+    up_front = up_front_smallest
     fxoffload_hf.offload(model, gpu_memory=up_front, device="cpu")
     try:
         with pytest.raises(Exception) as info:  # noqa: B017 - its type is test_refusal_at_the_first_call_is_a_value_error's
-            _logits(model, example_input("llama"))
+            _logits(model, x)
     finally:
         fxoffload_hf.restore(model)
     smallest = _named_budget(info.value)
@@ -387,10 +403,10 @@ def test_budget_named_at_the_first_call_is_the_smallest_that_works():
         fxoffload_hf.offload(model, gpu_memory=budget, device="cpu")
         try:
             if works:
-                assert torch.equal(_logits(model, example_input("llama")), expected)
+                assert torch.equal(_logits(model, x), expected)
             else:
                 with pytest.raises(Exception, match=f"pass gpu_memory={smallest}"):  # noqa: B017
-                    _logits(model, example_input("llama"))
+                    _logits(model, x)
         finally:
             fxoffload_hf.restore(model)
 
@@ -400,9 +416,9 @@ def _held_bytes(engine) -> dict[str, int]:
     records = engine.store.records.values()
     return {
         "weights": sum(r.nbytes for r in records if r.host is not None or r.resident is not None),
-        "in_flight": engine.copy.in_flight_bytes,
-        "activations": max(e.activation_bytes for e in engine.executors),
-        "fixed": engine.fixed_bytes,
+        "in_flight": engine.plan.in_flight_bytes,
+        "activations": max(engine.activation_bytes),
+        "fixed": engine.memory.fixed_bytes,
     }
 
 
@@ -429,8 +445,8 @@ def test_arena_shrinks_when_pieces_become_resident(tmp_path):
         fxoffload_hf.restore(model)
 
 
-def test_cpu_memory_counts_activations_when_weights_stay_in_ram(tmp_path):
-    model = _mlp(256, 4)
+def test_cpu_memory_counts_activations_when_weights_stay_in_ram(tmp_path, mlp):
+    model = mlp(256, 4)
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = model(x)
@@ -464,7 +480,7 @@ def test_two_threads_calling_one_model_get_eager_results(llama_ckpt):
         _logits(model, short), _logits(model, long)
         with torch.no_grad():
             model.generate(short, max_new_tokens=4, do_sample=False)
-        graphs = len(fxoffload_hf.engine_of(model).executors)
+        graphs = len(fxoffload_hf.engine_of(model).runners)
         start = threading.Barrier(2)
         errors: list[BaseException] = []
         results: dict[str, list[bool]] = {"forward": [], "generate": []}
@@ -496,19 +512,18 @@ def test_two_threads_calling_one_model_get_eager_results(llama_ckpt):
         assert not any(t.is_alive() for t in threads), "a thread is stuck"
         assert errors == []
         assert results == {"forward": [True] * 8, "generate": [True] * 3}
-        assert len(fxoffload_hf.engine_of(model).executors) == graphs
+        assert len(fxoffload_hf.engine_of(model).runners) == graphs
     finally:
         fxoffload_hf.restore(model)
 
 
-def test_a_call_waits_for_a_compile_in_another_thread(monkeypatch):
+def test_a_call_waits_for_a_compile_in_another_thread(monkeypatch, mlp_case, weight_bytes):
     from fxoffload_hf.engine import Engine
 
-    model = _mlp()
-    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
+    model, x, expected = mlp_case
     x3 = torch.randn(2, 4, 256, generator=torch.Generator().manual_seed(2))  # another rank: a new graph
     with torch.no_grad():
-        expected, expected3 = model(x), model(x3)
+        expected3 = model(x3)
     fxoffload_hf.offload(model, gpu_memory=int(weight_bytes(model) * 0.5), device="cpu")
     try:
         with torch.no_grad():
@@ -557,21 +572,24 @@ def test_checkpoint_files_are_byte_identical_after_load_runs_and_restore(llama_c
     stats = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()}
     budget = {"gpu_memory": 1_500_000} if tier == "host" else {"cpu_memory": 1_500_000}
     model = fxoffload_hf.from_pretrained(folder, device="cpu", **budget)
-    work = model._fxoffload_state.temp_folder
-    with torch.no_grad():
-        assert torch.equal(model.generate(IDS, max_new_tokens=3, do_sample=False),
-                           eager.generate(IDS, max_new_tokens=3, do_sample=False))  # fmt: skip
-    assert _digests(folder) == before
-    fxoffload_hf.restore(model)
+    try:
+        work = [u.path for u in model._fxoffload_state.undo if isinstance(u, OwnedFolder)]
+        with torch.no_grad():
+            assert torch.equal(model.generate(IDS, max_new_tokens=3, do_sample=False),
+                               eager.generate(IDS, max_new_tokens=3, do_sample=False))  # fmt: skip
+        assert _digests(folder) == before
+    finally:
+        fxoffload_hf.restore(model)
     assert _digests(folder) == before
     assert {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()} == stats
-    assert work is None or not Path(work).exists(), "from_pretrained's work folder outlived restore"
+    assert not [w for w in work if Path(w).exists()], "from_pretrained's work folder outlived restore"
 
 
-def test_offload_folder_writes_are_atomic_and_removed_by_restore(tmp_path, monkeypatch):
-    model = build_model("llama", num_hidden_layers=2)
+def test_offload_folder_writes_are_atomic_and_removed_by_restore(
+    tmp_path, monkeypatch, small_llama, weight_bytes
+):
+    model, x, expected = small_llama
     before = _params(model)
-    expected = _logits(model, example_input("llama"))
     folder = tmp_path / "offload"
     renames: list[tuple[str, str]] = []
     real_replace = os.replace
@@ -593,7 +611,7 @@ def test_offload_folder_writes_are_atomic_and_removed_by_restore(tmp_path, monke
         for path in files:
             assert read_header(path)  # complete, valid safetensors
         assert fxoffload_hf.engine_of(model).store.bytes_in(Tier.DISK) > 0
-        assert torch.equal(_logits(model, example_input("llama")), expected)
+        assert torch.equal(_logits(model, x), expected)
         assert sorted(folder.iterdir()) == files
     finally:
         fxoffload_hf.restore(model)
@@ -613,11 +631,8 @@ def _tensor_count() -> int:
     return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
 
 
-def test_thousand_forwards_do_not_grow_memory_or_tensors():
-    model = _mlp()
-    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = model(x)
+def test_thousand_forwards_do_not_grow_memory_or_tensors(mlp_case, weight_bytes):
+    model, x, expected = mlp_case
     fxoffload_hf.offload(model, cpu_memory=int(weight_bytes(model) * 0.6), device="cpu")
     process = psutil.Process()
     threads = torch.get_num_threads()
@@ -643,7 +658,7 @@ def test_thousand_forwards_do_not_grow_memory_or_tensors():
 GRAPH_BOUND = 4  # measured: 4 (prefill and decode, each static then dynamic), from the 2nd call on
 
 
-def test_two_hundred_generate_calls_keep_a_bounded_number_of_graphs():
+def test_two_hundred_generate_calls_keep_a_bounded_number_of_graphs(build_model, weight_bytes):
     model = build_model("llama", num_hidden_layers=2, hidden_size=64, intermediate_size=128)
     eager = build_model("llama", num_hidden_layers=2, hidden_size=64, intermediate_size=128)
     fxoffload_hf.offload(model, gpu_memory=int(weight_bytes(model) * 1.3), device="cpu")
@@ -660,7 +675,7 @@ def test_two_hundred_generate_calls_keep_a_bounded_number_of_graphs():
                 tokens = model.generate(ids, **options)
                 if call % 25 == 0 or length == 1:
                     assert torch.equal(tokens, eager.generate(ids, **options)), (call, length)
-            counts.append(len(fxoffload_hf.engine_of(model).executors))
+            counts.append(len(fxoffload_hf.engine_of(model).runners))
     finally:
         fxoffload_hf.restore(model)
     assert max(counts) <= GRAPH_BOUND, counts
@@ -720,8 +735,8 @@ BUDGETS = [
 
 @pytest.mark.parametrize("key", ["gpu_memory", "cpu_memory"])
 @pytest.mark.parametrize(("value", "expect"), BUDGETS)
-def test_budget_input_is_accepted_and_works_or_refused_clearly(key, value, expect, tmp_path):
-    model = _mlp(128, 3)
+def test_budget_input_is_accepted_and_works_or_refused_clearly(key, value, expect, tmp_path, mlp):
+    model = mlp(128, 3)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = model(x)
