@@ -1,0 +1,317 @@
+"""The CUDA loader's and runner's ordering, checked without a GPU.
+
+``FakeCudaOps`` is a ``DeviceOps`` on CPU tensors whose copies are asynchronous: ``copy_in`` only queues
+them on a fake side stream (the destinations start as NaN), and they run, in issue order, when the host
+waits for their event (``host_wait``) or the compute stream is ordered after it (``order_after``). It
+logs every operation with its thread and records a violation when
+
+- ``overwrite``: staging bytes that a copy not yet known done by the host reads are handed to a new copy
+  (so the read-ahead thread wrote them again), or a copy's source changed before the copy ran;
+- ``unordered``: ``ready`` hands the compute tensors whose copy the compute stream was not ordered after;
+- ``host-block``: the calling (compute) thread waits for copies in the steady state.
+
+A tiny Llama is captured once with ``torch.compile``; its weights are ghosts standing for records streamed
+the CUDA ways (``COPIED`` from host tensors, ``STAGED`` from a safetensors file), and the real planner,
+``CudaLoader`` and ``GraphRunner`` run it with the fake, as ``Engine`` wires them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from fxoffload_hf.capture import HANDLE_ATTR, GhostHandle, make_ghost
+from fxoffload_hf.graphs import graph_facts
+from fxoffload_hf.loaders import CudaLoader, InlineReader, Loaded, ThreadedReader, Way, way_of
+from fxoffload_hf.memory_model import MemoryModel
+from fxoffload_hf.planner import GraphInput, partition_for_budget, plan_model
+from fxoffload_hf.program import Program, build_program
+from fxoffload_hf.runner import GraphRunner
+from fxoffload_hf.safetensors_io import read_header
+from fxoffload_hf.staging import StagingArena
+from fxoffload_hf.weights import WeightRecord, WeightStore
+
+CALLS = 3  # the first call warms up; the later ones are the steady state
+
+
+@dataclass(frozen=True)
+class FakeEvent:
+    seq: int  # events are numbered in issue order on the one side stream
+
+
+@dataclass
+class _Copy:
+    seq: int
+    source: torch.Tensor
+    snapshot: torch.Tensor  # the source's values when the copy was issued
+    dest: torch.Tensor
+    span: tuple[int, int] | None  # the bytes of the staging arena it reads, if any
+    done: bool = False
+
+
+class FakeCudaOps:
+    """``DeviceOps`` with asynchronous copies on CPU tensors that checks the happens-before edges."""
+
+    def __init__(self, arena: StagingArena) -> None:
+        self.arena = arena
+        self.compute_thread = threading.get_ident()
+        self.steady = False  # set after the warm-up call
+        self.log: list[tuple[str, int, int]] = []  # (operation, event, thread)
+        self.violations: list[tuple[str, str]] = []  # (kind, what happened)
+        self.events = 0
+        self._copies: list[_Copy] = []  # not yet known done by the host, in issue order
+        self._host_upto = 0  # the side stream is FIFO: the host knows every copy up to this event done
+        self._compute_upto = 0  # the compute stream is ordered after every copy up to this event
+        self._lock = threading.Lock()
+
+    def copy_in(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
+        with self._lock:
+            self.events += 1
+            seq = self.events
+            self._note("copy_in", seq)
+            out, new = {}, []
+            for name, source in tensors.items():
+                span = self._staged_span(source)
+                for old in self._copies:
+                    if span and old.span and span[0] < old.span[1] and old.span[0] < span[1]:
+                        self._violate(
+                            "overwrite",
+                            f"staging bytes of {name} (copy #{seq}) were rewritten while copy #{old.seq}, not "
+                            "known done by the host, reads them",
+                        )
+                dest = torch.empty_like(source, memory_format=torch.contiguous_format)
+                dest.fill_(float("nan") if dest.is_floating_point() else 0x5A)
+                dest._fake_copy = seq  # type: ignore[attr-defined]
+                new.append(_Copy(seq, source, source.clone(), dest, span))
+                out[name] = dest
+            self._copies.extend(new)
+            return out, FakeEvent(seq)
+
+    def host_wait(self, event: FakeEvent) -> None:
+        with self._lock:
+            self._note("host_wait", event.seq)
+            if self.steady and threading.get_ident() == self.compute_thread:
+                self._violate("host-block", f"the calling thread waited for copy #{event.seq}")
+            self._run_upto(event.seq)
+            self._host_upto = max(self._host_upto, event.seq)
+            self._copies = [c for c in self._copies if c.seq > self._host_upto]
+
+    def order_after(self, event: FakeEvent, tensors: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            self._note("order_after", event.seq)
+            self._run_upto(event.seq)
+            self._compute_upto = max(self._compute_upto, event.seq)
+
+    def check_ready(self, tensors: dict[str, torch.Tensor]) -> None:
+        """What ``ready`` returned is about to be computed with: each copy must be ordered before it."""
+        with self._lock:
+            for name, tensor in tensors.items():
+                seq = getattr(tensor, "_fake_copy", 0)
+                if seq > self._compute_upto:
+                    self._violate(
+                        "unordered", f"{name} used before the compute stream waited for copy #{seq}"
+                    )
+
+    def ops(self, seq: int) -> list[tuple[str, bool]]:
+        """The operations on event ``seq`` in order, each with whether the calling thread made it."""
+        return [(op, thread == self.compute_thread) for op, s, thread in self.log if s == seq]
+
+    def _staged_span(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        if not self.arena.capacity:
+            return None
+        if tensor.untyped_storage().data_ptr() != self.arena.buffer.untyped_storage().data_ptr():
+            return None
+        return tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+
+    def _run_upto(self, seq: int) -> None:
+        for copy in self._copies:
+            if copy.seq <= seq and not copy.done:
+                if not torch.equal(copy.source, copy.snapshot):
+                    self._violate("overwrite", f"the source of copy #{copy.seq} changed before it ran")
+                copy.dest.copy_(copy.source)
+                copy.done = True
+
+    def _note(self, op: str, seq: int) -> None:
+        self.log.append((op, seq, threading.get_ident()))
+
+    def _violate(self, kind: str, what: str) -> None:
+        self.violations.append((kind, what))
+
+
+@dataclass
+class Captured:
+    """A tiny Llama captured once, its weights in a store, and the program its graph is cut into."""
+
+    compiled: Callable[..., Any]
+    x: torch.Tensor
+    expected: torch.Tensor
+    store: WeightStore
+    program: Program
+    graph: GraphInput
+    activations: int
+    memory: MemoryModel
+    run: list[Callable[..., Any]]  # run[0]: what the compiled graph calls
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Captured]:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, use_cache=False,
+    )  # fmt: skip
+    model = tf.LlamaForCausalLM(config).eval()
+    x = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(x).logits
+    params = dict(model.named_parameters())
+    path = tmp_path_factory.mktemp("weights") / "w.safetensors"
+    save_file({n: p.detach().contiguous() for n, p in params.items()}, path)
+    slices = read_header(path)
+    store = WeightStore(torch.device("cpu"))
+    for i, (name, param) in enumerate(params.items()):
+        shape, dtype = tuple(param.shape), param.dtype
+        store.records[name] = (  # every third weight copied from host memory, the others staged
+            WeightRecord(name, shape, dtype, host=param.detach().clone())
+            if i % 3 == 2
+            else WeightRecord(name, shape, dtype, disk=slices[name])
+        )
+        ghost = make_ghost(shape, dtype, torch.device("cpu"))
+        setattr(ghost, HANDLE_ATTR, GhostHandle(store, store.records[name]))
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner)._parameters[attr] = ghost
+    graphs: list[tuple[torch.fx.GraphModule, list[Any]]] = []
+    run: list[Callable[..., Any]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        graphs.append((gm, example_inputs))
+        run.append(gm)
+        return lambda *args: run[0](*args)
+
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        compiled(x)
+    assert len(graphs) == 1
+    gm, example_inputs = graphs[0]
+    facts = graph_facts(gm, example_inputs)
+    memory = MemoryModel(facts.activation_bytes + sum(facts.weight_bytes.values()) // 3)
+    partition = partition_for_budget(
+        gm.graph, facts.weight_bytes, facts.activation_bytes, memory, "sequential"
+    )
+    program = build_program(gm, partition, facts, None)
+    graph = GraphInput(program.piece_names, facts.lookups)
+    # the scenario to check: several pieces, weights both copied from host memory and staged from the file
+    assert {way_of(r, "cuda") for r in store.records.values()} == {Way.COPIED, Way.STAGED}
+    assert program.pieces >= 4
+    yield Captured(compiled, x, expected, store, program, graph, facts.activation_bytes, memory, run)
+    torch._dynamo.reset()
+
+
+def run_offloaded(
+    cap: Captured,
+    loader_cls: type[CudaLoader] = CudaLoader,
+    distance: int | None = None,
+    inline: bool = False,
+) -> tuple[FakeCudaOps, list[torch.Tensor], int]:
+    """``CALLS`` calls of the captured model through ``loader_cls`` and the fake, as ``Engine`` runs a
+    graph (loads ``distance`` ahead if given, on the calling thread if ``inline``); the fake, the outputs,
+    and the loads of one call."""
+    arena = StagingArena(pin=False)
+    ops = FakeCudaOps(arena)
+    loader = loader_cls(cap.store, arena, ops)
+    ready = loader.ready
+
+    def checked_ready(loaded: Loaded) -> dict[str, torch.Tensor]:
+        tensors = ready(loaded)
+        ops.check_ready(tensors)
+        return tensors
+
+    loader.ready = checked_ready  # type: ignore[method-assign]
+    reader = InlineReader() if inline else ThreadedReader()
+    plan = plan_model(
+        [cap.graph], cap.store.records, version=0, memory=cap.memory, activations=cap.activations,
+        device_type=loader.device_type, policy="sequential", threaded=reader,
+    )  # fmt: skip
+    arena.resize(plan.arena_bytes)
+    schedule = plan.graphs[0].threaded
+    if distance is not None:
+        schedule = dataclasses.replace(schedule, distance=distance)
+    staged_sides = [load.side for load in schedule.loads if load is not None and load.staged]
+    assert staged_sides.count(0) >= 2 and 1 in staged_sides, "the arena's two sides must both be reused"
+    cap.run[0] = GraphRunner(cap.program, loader, schedule, 0)
+    outputs = []
+    try:
+        with torch.no_grad():
+            for _ in range(CALLS):
+                outputs.append(cap.compiled(cap.x).logits)
+                ops.steady = True
+    finally:
+        if isinstance(reader, ThreadedReader):
+            reader.close()
+        loader.close()
+    return ops, outputs, sum(load is not None for load in schedule.loads)
+
+
+@pytest.mark.parametrize("distance", [None, 3])
+def test_cuda_loader_orders_every_copy(captured: Captured, distance: int | None) -> None:
+    """The real ``CudaLoader`` and ``GraphRunner``: eager's results bit for bit at the plan's distance (1)
+    and further ahead; each copy waited for by the read-ahead thread before its staging bytes are reused,
+    and ordered before the compute that reads it; the calling thread never waits for copies."""
+    ops, outputs, loads = run_offloaded(captured, distance=distance)
+    assert all(torch.equal(out, captured.expected) for out in outputs)
+    assert ops.violations == []
+    assert ops.events == CALLS * loads
+    for seq in range(1, ops.events + 1):
+        # copy_in -> host_wait on the read-ahead thread -> order_after on the calling thread
+        assert ops.ops(seq) == [("copy_in", False), ("host_wait", False), ("order_after", True)]
+
+
+class SkipsHostWait(CudaLoader):
+    """Mutation: the next read may overwrite staged bytes before the copy read them."""
+
+    def to_device(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
+        return self.ops.copy_in(tensors)
+
+
+class SkipsOrderAfter(CudaLoader):
+    """Mutation: the compute stream is not ordered after the copies it reads."""
+
+    def ready(self, loaded: Loaded) -> dict[str, torch.Tensor]:
+        return loaded.tensors
+
+
+class WaitsInReady(CudaLoader):
+    """Mutation: the calling thread blocks on the copies before each piece."""
+
+    def ready(self, loaded: Loaded) -> dict[str, torch.Tensor]:
+        self.ops.host_wait(loaded.event)
+        return super().ready(loaded)
+
+
+@pytest.mark.parametrize(
+    ("loader_cls", "kind"),
+    [(SkipsHostWait, "overwrite"), (SkipsOrderAfter, "unordered"), (WaitsInReady, "host-block")],
+)
+def test_fake_catches_ordering_bugs(captured: Captured, loader_cls: type[CudaLoader], kind: str) -> None:
+    """Each broken loader is caught, as that kind of violation only, at the plan's distance (1)."""
+    ops, _, _ = run_offloaded(captured, loader_cls)
+    assert ops.violations, f"{loader_cls.__name__} went unnoticed"
+    assert {k for k, _ in ops.violations} == {kind}
+
+
+def test_overwritten_staging_changes_results(captured: Captured) -> None:
+    """Loading three ahead without the host waiting, staged bytes are rewritten before their copies ran:
+    the fake sees the changed sources, and the results are no longer eager's. (Loads run on the calling
+    thread here, so that the reads are always ahead of the copies.)"""
+    ops, outputs, _ = run_offloaded(captured, SkipsHostWait, distance=3, inline=True)
+    assert any("changed before it ran" in what for _, what in ops.violations)
+    assert not all(torch.equal(out, captured.expected) for out in outputs)
