@@ -306,10 +306,8 @@ def _store_weights(
 
 def _spill_what_ram_cannot_hold(store: WeightStore, config: OffloadConfig, fixed: int) -> None:
     """Under ``cpu_memory``, weights in RAM that do not fit it go to disk (the offload folder)."""
-    in_ram = [n for n, r in store.records.items() if r.host is not None]
-    host = MemoryModel(config.cpu_memory, "cpu_memory", fixed)
-    if in_ram and not host.fits(resident=sum(store.records[n].nbytes for n in in_ram)):
-        store.spill(in_ram, store.spill_folder(config.offload_folder))
+    if not MemoryModel(config.cpu_memory, "cpu_memory", fixed).fits(resident=store.ram_bytes()):
+        store.spill_ram(config.offload_folder)
 
 
 def _install_ghosts(

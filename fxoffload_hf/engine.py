@@ -25,9 +25,10 @@ from fxoffload_hf.memory import return_large_frees_to_the_os
 from fxoffload_hf.memory_model import MemoryModel
 from fxoffload_hf.observers import Profiler
 from fxoffload_hf.partition import Partition
-from fxoffload_hf.planner import GraphInput, ModelPlan, choose_residents, partition_for_budget, plan_model
+from fxoffload_hf.planner import GraphInput, ModelPlan, partition_for_budget, plan_model
 from fxoffload_hf.program import build_program
 from fxoffload_hf.runner import CallMeasure, GraphRunner, Observer
+from fxoffload_hf.schedule import PieceProfile, choose_resident
 from fxoffload_hf.weights import WeightStore
 
 # loads run inline when the last call's loads took less than this share of its compute: 5% to start
@@ -131,10 +132,8 @@ class Engine:
         once a graph shows they leave no room for its activations; the schedule brings back what fits."""
         if self.device.type != "cpu" or self.config.cpu_memory is None:
             return
-        in_ram = [n for n, r in self.store.records.items() if r.host is not None]
-        held = sum(self.store.records[n].nbytes for n in in_ram)
-        if in_ram and not self.memory.fits(activations=activation_bytes, resident=held):
-            self.store.spill(in_ram, self.store.spill_folder(self.config.offload_folder))
+        if not self.memory.fits(activations=activation_bytes, resident=self.store.ram_bytes()):
+            self.store.spill_ram(self.config.offload_folder)
 
     # -- planning -------------------------------------------------------------------------------
     def replan(self) -> None:
@@ -158,14 +157,14 @@ class Engine:
         self.loader.arena.resize(plan.arena_bytes)
         self.plan = plan
         for runner, graph, inline in zip(self.runners, plan.graphs, self._inline_now, strict=True):
-            runner.schedule = graph.inline if inline and graph.inline is not None else graph.threaded
+            runner.schedule = graph.schedule(inline)
 
-    def profiled(self, runner: GraphRunner, profile: list[Any]) -> None:
+    def profiled(self, runner: GraphRunner, profile: list[PieceProfile]) -> None:
         """Re-plan from a graph's measured profile: unhidden copies resident first, within the budget."""
         index = runner.index
         self._inputs[index] = replace(self._inputs[index], profile=tuple(profile))
         if self.memory.budget is not None and self.config.policy == "auto":
-            wanted = choose_residents(profile, self.memory, max(self.activation_bytes))
+            wanted = choose_resident(profile, self.memory, max(self.activation_bytes))
             self.store.set_residents(wanted)
         self.replan()
 
@@ -179,7 +178,7 @@ class Engine:
             share = _INLINE_SHARE[self._inline_now[runner.index]]
             inline = measure.copy_seconds < share * measure.compute_seconds
             self._inline_now[runner.index] = inline
-            runner.schedule = graph.inline if inline else graph.threaded
+            runner.schedule = graph.schedule(inline)
 
     def current(self) -> None:
         """Plan again if the weights moved since the plan was made (``model.to(dtype)``, a spill)."""

@@ -7,8 +7,8 @@ Two steps, both free of threads and devices, so ``fxoffload-hf plan`` runs them 
   arena, the prefetch distance, the load groups and a ``LoadSpec`` per load (the loader of each weight),
   as a ``ModelPlan`` the engine swaps in whole.
 
-``choose_residents`` turns a measured profile into the set of weights worth keeping; the engine hands it
-to the store, and plans again.
+``schedule.choose_resident`` turns a measured profile into the set of weights worth keeping; the engine
+hands it to the store, and plans again.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import fx
 from fxoffload_hf.loaders import LoadSpec, Reader, Way, way_of
 from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, pair_bytes, piece_bytes, window_bytes
 from fxoffload_hf.partition import Partition, partition_graph
-from fxoffload_hf.schedule import PieceProfile, choose_distance, choose_resident, load_groups
+from fxoffload_hf.schedule import PieceProfile, choose_distance, load_groups
 from fxoffload_hf.weights import WeightRecord
 
 
@@ -72,6 +72,10 @@ class GraphPlan:
 
     threaded: GraphSchedule
     inline: GraphSchedule | None
+
+    def schedule(self, inline: bool) -> GraphSchedule:
+        """The inline schedule when asked for and there is one, else the threaded one."""
+        return self.inline if inline and self.inline is not None else self.threaded
 
 
 @dataclass(frozen=True)
@@ -127,26 +131,13 @@ def plan_model(
     for graph, pieces, sizes, distance in zip(graphs, per_graph, streamed, distances, strict=True):
         singles = tuple(range(1, len(pieces) + 1))
         build = _loads_builder(pieces, device_type, graph.lookups)
-        plans.append(
-            GraphPlan(
-                threaded=GraphSchedule(build(singles), singles, distance, threaded),
-                inline=None
-                if inline_reader is None
-                else GraphSchedule(
-                    # staged pieces share the arena two at a time: those load one by one
-                    build(singles if arena else tuple(load_groups(sizes, in_flight))),
-                    singles if arena else tuple(load_groups(sizes, in_flight)),
-                    0,
-                    inline_reader,
-                ),
-            )
-        )
+        inline_schedule = None
+        if inline_reader is not None:
+            # staged pieces share the arena two at a time: those load one by one
+            groups = singles if arena else tuple(load_groups(sizes, in_flight))
+            inline_schedule = GraphSchedule(build(groups), groups, 0, inline_reader)
+        plans.append(GraphPlan(GraphSchedule(build(singles), singles, distance, threaded), inline_schedule))
     return ModelPlan(version, arena, in_flight, tuple(plans))
-
-
-def choose_residents(profile: Sequence[PieceProfile], memory: MemoryModel, activations: int) -> set[str]:
-    """The weights worth keeping where the model computes, from a measured profile (see ``schedule``)."""
-    return choose_resident(list(profile), memory, activations)
 
 
 def _bytes(piece: list[WeightRecord], counted: Callable[[WeightRecord], bool]) -> int:

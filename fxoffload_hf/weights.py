@@ -136,6 +136,15 @@ class WeightStore:
             self._temp_folder = Path(tempfile.mkdtemp(prefix="fxoffload-"))
         return self._temp_folder
 
+    def ram_bytes(self) -> int:
+        """Bytes of the weights held in host RAM."""
+        return sum(r.nbytes for r in self.records.values() if r.host is not None)
+
+    def spill_ram(self, configured_folder: Path | None) -> Path | None:
+        """Spill every weight held in host RAM to ``configured_folder`` (else a folder of ours)."""
+        names = [n for n, r in self.records.items() if r.host is not None]
+        return self.spill(names, self.spill_folder(configured_folder)) if names else None
+
     def spill(self, names: list[str], folder: Path) -> Path | None:
         """Write the host tensors of ``names`` once to ``folder`` (atomically) and drop them from RAM.
 
