@@ -132,3 +132,37 @@ def test_plain_shim_behaves_like_hugging_face(llama_ckpt):
     model = fxoffload_hf.AutoModelForCausalLM.from_pretrained(folder)
     assert not hasattr(model, "_fxoffload_state")
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_max_memory_sets_the_budget_with_hugging_face_meaning(llama_ckpt):
+    folder, eager = llama_ckpt
+    with pytest.raises(ValueError, match="too small"):
+        fxoffload_hf.from_pretrained(folder, max_memory={"cpu": "3KiB"})
+    model = fxoffload_hf.from_pretrained(folder, max_memory={"cpu": 1_500_000}, device_map="auto")
+    try:
+        engine = fxoffload_hf.engine_of(model)
+        assert engine.config.cpu_memory == 1_500_000 and engine.config.device.type == "cpu"
+        with torch.no_grad():
+            assert torch.equal(model(IDS).logits, eager(IDS).logits)
+    finally:
+        fxoffload_hf.restore(model)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"quantization_config": {"load_in_8bit": True}}, "cannot honour quantization_config="),
+        ({"device_map": "cpu"}, "device_map='cpu' cannot be combined"),
+        ({"not_a_config_field": 1}, "not_a_config_field"),
+    ],
+)
+def test_keywords_that_cannot_be_honoured_are_refused_before_a_weight_is_read(llama_ckpt, kwargs, message):
+    folder, _eager = llama_ckpt
+    with pytest.raises((ValueError, TypeError), match=message):
+        fxoffload_hf.from_pretrained(folder, cpu_memory="1GiB", **kwargs)
+
+
+def test_offload_options_without_offload_are_refused_not_dropped(llama_ckpt):
+    folder, _eager = llama_ckpt
+    with pytest.raises(ValueError, match="cpu_memory only applies with offload='fx'"):
+        fxoffload_hf.from_pretrained(folder, offload=None, cpu_memory="1GiB")

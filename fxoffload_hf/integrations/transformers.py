@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from fxoffload_hf.api import offload as offload_model
 from fxoffload_hf.api import remove_on_restore
+from fxoffload_hf.integrations.hf_kwargs import read_hf_placement
 from fxoffload_hf.safetensors_io import CheckpointError, TensorSlice, drop_cached_pages, read_header
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -55,26 +56,39 @@ def from_pretrained(
         trust_remote_code: passed to transformers; False by default.
         auto_class: the transformers auto class (default ``AutoModelForCausalLM``, or ``AutoModel``
             for architectures without a language-model head).
+        hf_kwargs: Hugging Face's own keywords, with Hugging Face's meaning: ``max_memory`` (``{0: "10GiB",
+            "cpu": "30GiB"}``) sets the budgets, ``device_map="auto"`` lets fxoffload place the weights,
+            ``torch_dtype`` is ``dtype``; those that only shape the model (``attn_implementation``, config
+            overrides, ``revision``) pass to transformers; placement and format keywords fxoffload cannot
+            honour (quantization, tensor parallelism, ``state_dict``, ...) are refused.
 
     Raises:
         FileNotFoundError: the folder does not exist and no cached copy is found.
         CheckpointError: a shard is missing, corrupt, or disagrees with the config.
-        ValueError: a bad ``offload`` value, budget or device.
+        ValueError: a bad ``offload`` value, budget or device, or a keyword that cannot be honoured.
     """
     if offload not in (None, "fx"):
         raise ValueError(
             f"offload={offload!r} is not supported; use offload='fx', or leave it out for plain loading"
         )
     if offload is None:
+        ours = {"gpu_memory": gpu_memory, "cpu_memory": cpu_memory, "device": device}
+        if policy != "auto" or any(v is not None for v in ours.values()):
+            named = [k for k, v in ours.items() if v is not None] or ["policy"]
+            raise ValueError(
+                f"{', '.join(named)} only applies with offload='fx'; pass offload='fx', or use Hugging Face's "
+                "own keywords (device_map, max_memory) for plain loading"
+            )
         cls = auto_class or transformers.AutoModelForCausalLM
+        if offload_folder is not None:
+            hf_kwargs["offload_folder"] = offload_folder  # the same keyword, the same meaning
         return cls.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **hf_kwargs)
-    if "device_map" in hf_kwargs:
-        raise ValueError(
-            "device_map cannot be combined with offload='fx': fxoffload_hf places every weight itself"
-        )
+    placement, hf_kwargs = read_hf_placement(
+        hf_kwargs, gpu_memory=gpu_memory, cpu_memory=cpu_memory, device=device, dtype=dtype
+    )
     folder = resolve_checkpoint_folder(path)
     shards = validate_checkpoint(folder, allow_pickle=allow_pickle)
-    target_dtype = _as_dtype(dtype)
+    target_dtype = _as_dtype(placement.dtype)
     work = Path(tempfile.mkdtemp(prefix="fxoffload-hf-"))
     model = None
     try:
@@ -93,10 +107,10 @@ def from_pretrained(
             _cast_on_meta(model, target_dtype)
         offload_model(
             model,
-            gpu_memory=gpu_memory,
-            cpu_memory=cpu_memory,
+            gpu_memory=placement.gpu_memory,
+            cpu_memory=placement.cpu_memory,
             offload_folder=offload_folder,
-            device=device,
+            device=placement.device,
             policy=policy,
             checkpoint=checkpoint,
             entry_points=_entry_points(model),
