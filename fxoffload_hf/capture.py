@@ -9,6 +9,7 @@ ghost is a placeholder whose handle tells the executor which stored weight to fe
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,10 @@ from fxoffload_hf.weights import WeightRecord, WeightStore
 HANDLE_ATTR = "_fxoffload_handle"
 _SUCCESSOR_ATTR = "_fxoffload_successor"
 _inside = threading.local()
+# Graphs one entry point may capture: lengths never add graphs (sizes are symbolic), but dynamo
+# specialises on what is None, on sizes of 1 and on cache state, and Transformers' generate and
+# pipelines combine those (mask, position ids, batch, prefill or decode) into up to 16 forms.
+RECOMPILE_LIMIT = 32
 
 
 @dataclass(frozen=True)
@@ -133,5 +138,42 @@ def guard_hook(module: nn.Module, args: Any) -> None:
 
 
 def compile_entry(fn: Callable[..., Any], backend: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compile`` ``fn`` with our backend; dynamic shapes are found automatically on recompiles."""
-    return torch.compile(fn, backend=backend, dynamic=None, fullgraph=False)
+    """``torch.compile`` ``fn`` with our backend, called in one canonical form.
+
+    Sizes are symbolic from the first call (parameters stay static), so new sequence, cache or batch
+    lengths reuse the graphs already captured instead of recompiling one by one. A size of 1 is still
+    specialised by dynamo: one sequence and a batch of them, a prompt and a decode step of one token,
+    are captured apart, as are calls with and without a mask or position ids: a few of each combination,
+    hence a recompile limit above dynamo's default of 8.
+    """
+    compiled = torch.compile(fn, backend=backend, dynamic=True, fullgraph=False)
+    canonical = canonical_call(fn)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = canonical(args, kwargs)
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return compiled(*args, **kwargs)
+
+    return run
+
+
+def canonical_call(
+    fn: Callable[..., Any],
+) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]:
+    """A function that writes any call of ``fn`` one way: every named parameter given, by position where
+    it may be, defaults filled in. Positional and keyword forms of one call then share a graph, even when
+    a decorator (``*args, **kwargs``) stands between the caller and the real signature."""
+    try:
+        signature = inspect.signature(fn)  # follows __wrapped__ to the decorated forward
+    except (TypeError, ValueError):
+        return lambda args, kwargs: (args, kwargs)
+
+    def canonical(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return args, kwargs  # let the call itself raise its own error
+        bound.apply_defaults()
+        return bound.args, bound.kwargs
+
+    return canonical

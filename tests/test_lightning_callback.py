@@ -16,6 +16,7 @@ pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.loggers import Logger  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+import fxoffload_hf  # noqa: E402
 from fxoffload_hf.callbacks import FxOffloadCallback  # noqa: E402
 from fxoffload_hf.capture import handle_of  # noqa: E402
 
@@ -160,6 +161,29 @@ def test_inference_loops_equal_plain_runs(stage, target, llama_module, half_budg
     stats = callback.last_stats
     assert stats["stage"] == stage and stats["calls"] == 3
     assert stats["pieces_run"] >= 4 * stats["calls"]
+
+
+class GraphCounter(pl.Callback):
+    """Counts the offloaded module's captured graphs after every predict batch."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self.counts.append(len(fxoffload_hf.engine_of(pl_module).runners))
+
+
+def test_predict_steps_of_new_lengths_and_batch_sizes_reuse_the_graphs(llama_module, half_budget):
+    generator = torch.Generator().manual_seed(4)
+    shapes = [(2, 12), (2, 5), (3, 20), (4, 9), (2, 31), (3, 7)]
+    batches = [[torch.randint(0, 1000, shape, generator=generator)] for shape in shapes]
+    loader = DataLoader(batches, batch_size=None)
+    expected = _trainer().predict(llama_module(), loader)
+    counter = GraphCounter()
+    got = _trainer([half_budget(), counter]).predict(llama_module(), loader)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    # sizes are symbolic from the first step: one graph serves every length and batch size above 1
+    assert counter.counts == [1] * len(shapes), counter.counts
 
 
 def test_teardown_restores_module_and_logs_stats(tmp_path, llama_module, weight_bytes):
