@@ -10,7 +10,9 @@ that is itself topological:
   with its bias add and activation, a norm with its scale);
 - *free* nodes, whose inputs are only weights or other free nodes (a transposed weight, an
   ``arange``): pulled forward to just before their first user, so a weight never travels
-  into a piece that does not load it.
+  into a piece that does not load it;
+- *stateful regions*, from a node that changes interpreter state to the node that restores it (a vmap
+  or other functorch level, autocast, a grad-mode switch): one atom, never cut, never reordered.
 
 Pieces are then contiguous runs of atoms, filled greedily, so they are topologically ordered by
 construction and fusion groups are never split. Every step touches each node and edge a bounded number
@@ -93,15 +95,60 @@ def _is_compute(node: fx.Node) -> bool:
     return node.op in ("call_function", "call_method", "call_module")
 
 
-def _has_side_effects(node: fx.Node) -> bool:
-    """In-place ops, setitem and context/grad-mode switches: never moved from where dynamo put them."""
+# Calls that enter (+1) or leave (-1) a region of interpreter state; a grad-mode switch is emitted in
+# pairs (switch, restore), so it enters when outside such a pair and leaves when inside.
+_REGION_STEPS = {
+    "_enter_autocast": 1,
+    "_exit_autocast": -1,
+    "_vmap_increment_nesting": 1,
+    "_vmap_decrement_nesting": -1,
+    "_grad_increment_nesting": 1,
+    "_grad_decrement_nesting": -1,
+    "_jvp_increment_nesting": 1,
+    "_jvp_decrement_nesting": -1,
+    "_func_increment_nesting": 1,
+    "_func_decrement_nesting": -1,
+}
+_TOGGLES = {"_set_grad_enabled"}
+
+
+def _name(node: fx.Node) -> str:
     target = node.target
-    name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    return (
-        target is operator.setitem
-        or (name.endswith("_") and not name.endswith("__"))
-        or name in ("_enter_autocast", "_exit_autocast", "_set_grad_enabled")
-    )
+    return target if isinstance(target, str) else getattr(target, "__name__", "")
+
+
+def _mutates(node: fx.Node) -> bool:
+    """In-place ops and setitem: they change an input."""
+    name = _name(node)
+    return node.target is operator.setitem or (name.endswith("_") and not name.endswith("__"))
+
+
+def _changes_state(node: fx.Node) -> bool:
+    name = _name(node)
+    return name in _REGION_STEPS or name in _TOGGLES
+
+
+def _has_side_effects(node: fx.Node) -> bool:
+    """In-place ops, state switches and calls whose result nobody uses: never moved from where dynamo
+    put them."""
+    return _mutates(node) or _changes_state(node) or not node.users
+
+
+def merge_stateful_regions(atoms: list[list[fx.Node]]) -> list[list[fx.Node]]:
+    """Atoms joined from each state change to its restore, so no piece boundary falls inside one."""
+    merged: list[list[fx.Node]] = []
+    depth, toggled = 0, False
+    for atom in atoms:
+        if depth > 0 or toggled:
+            merged[-1].extend(atom)
+        else:
+            merged.append(list(atom))
+        for node in atom:
+            name = _name(node)
+            if name in _TOGGLES:
+                toggled = not toggled
+            depth = max(0, depth + _REGION_STEPS.get(name, 0))
+    return merged
 
 
 def _is_epilogue_op(node: fx.Node) -> bool:
@@ -119,23 +166,36 @@ class _Grouper:
         self.nodes = list(graph.nodes)
         self.weights = weights
         self.work = 0
+        self.segment = self._state_segments()
         self.free = self._free_nodes()
         self.emitted: set[fx.Node] = set()
+
+    def _state_segments(self) -> dict[fx.Node, int]:
+        """Each node's count of state changes before it: nodes are only moved within their segment,
+        so nothing runs under an autocast, grad mode or functorch level it was not traced in."""
+        segment: dict[fx.Node, int] = {}
+        changes = 0
+        for node in self.nodes:
+            self.work += 1
+            changes += _is_compute(node) and _changes_state(node)
+            segment[node] = changes
+        return segment
 
     def _free_nodes(self) -> set[fx.Node]:
         # a value that something mutates in place must be read where dynamo put the read
         self.mutated: set[fx.Node] = set()
         for node in self.nodes:
             self.work += 1 + len(node._input_nodes)
-            if _is_compute(node) and _has_side_effects(node):
+            if _is_compute(node) and _mutates(node):
                 self.mutated.update(node._input_nodes)
         free: set[fx.Node] = set()
         for node in self.nodes:
-            self.work += 1 + len(node._input_nodes)
+            self.work += 1 + len(node._input_nodes) + len(node.users)
             if (
                 _is_compute(node)
                 and not _has_side_effects(node)
                 and all((i in self.weights and i not in self.mutated) or i in free for i in node._input_nodes)
+                and all(self.segment[u] == self.segment[node] for u in node.users)
             ):
                 free.add(node)
         return free
@@ -156,7 +216,7 @@ class _Grouper:
             atom = []
             self._emit(node, atom)
             result.append(atom)
-        return result
+        return merge_stateful_regions(result)
 
     def _emit(self, node: fx.Node, atom: list[fx.Node]) -> None:
         """Emit ``node`` after the free nodes it needs that are not emitted yet (iteratively)."""
@@ -189,7 +249,12 @@ class _Grouper:
             if len(users) != 1:
                 return
             (user,) = users
-            if user in self.emitted or not _is_epilogue_op(user) or not self._ready(user):
+            if (
+                user in self.emitted
+                or not _is_epilogue_op(user)
+                or self.segment[user] != self.segment[anchor]
+                or not self._ready(user)
+            ):
                 return
             self._emit(user, atom)
             current = user

@@ -146,3 +146,73 @@ def test_device_constants_from_the_capture_device_are_retargeted():
     assert retarget_devices(graph, torch.device("cpu"), torch.device("cuda", 0)) == 1
     assert ones.kwargs["device"] == torch.device("cuda", 0)
     assert kept.kwargs["device"] == "cuda:1"
+
+
+class StatefulBlocks(torch.nn.Module):
+    """Weights inside a vmap, an autocast region and a grad-mode switch, and pointwise ops at their edges."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, a, b, c, d, e, f = self.layers
+        x = first(x)  # so that pieces of two weights would cut every region in two
+        x = torch.vmap(lambda row: b(a(row).relu()) * 2)(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = d(c(x).relu())
+        x = x.float() + 1
+        with torch.no_grad():
+            x = f(e(x)).sigmoid()
+        return x * 3
+
+
+def _captured(module: torch.nn.Module, *args) -> fx.GraphModule:
+    graphs: list[fx.GraphModule] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(module, backend=backend, fullgraph=True)(*args)
+    (gm,) = graphs
+    return gm
+
+
+def test_no_piece_boundary_falls_inside_a_region_of_interpreter_state():
+    gm = _captured(StatefulBlocks(), torch.randn(4, 32))
+    weights = {n: 100 for n in gm.graph.nodes if n.op == "placeholder" and "weight" in n.name}
+    pieces = partition_graph(gm.graph, weights, budget=200).pieces
+    assert len(pieces) == 4
+    steps = {"_vmap_increment_nesting": 1, "_vmap_decrement_nesting": -1, "_enter_autocast": 1}
+    steps |= {"_exit_autocast": -1}
+    placed = [n for p in pieces for n in p.nodes]
+    assert_topological(pieces)
+    grad_switches = 0
+    for piece in pieces:
+        depth = 0
+        for node in piece.nodes:
+            name = getattr(node.target, "__name__", "")
+            depth += steps.get(name, 0)
+            grad_switches += name == "_set_grad_enabled"
+            assert depth >= 0, f"{node} leaves a region it did not enter in the same piece"
+        assert depth == 0 and grad_switches % 2 == 0, f"piece {piece.index} ends inside a region"
+    # state changes keep dynamo's order, and nothing crosses one
+    order = [n for n in gm.graph.nodes if n in set(placed)]
+    markers = [n for n in order if getattr(n.target, "__name__", "") in (*steps, "_set_grad_enabled")]
+    assert [n for n in placed if n in markers] == markers
+
+
+def test_a_model_with_stateful_regions_runs_exactly_when_offloaded_in_small_pieces(weight_bytes):
+    import fxoffload_hf
+
+    torch.manual_seed(0)
+    model, x = StatefulBlocks(width=256).eval(), torch.randn(4, 256)
+    expected = model(x)
+    fxoffload_hf.offload(model, gpu_memory=int(weight_bytes(model) * 0.7), device="cpu")
+    try:
+        assert torch.equal(model(x), expected)
+        assert torch.equal(model(x), expected)
+        assert max(r.program.pieces for r in fxoffload_hf.engine_of(model).runners) >= 3
+    finally:
+        fxoffload_hf.restore(model)
