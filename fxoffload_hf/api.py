@@ -21,13 +21,12 @@ from fxoffload_hf.capture import (
     HANDLE_ATTR,
     GhostHandle,
     compile_entry,
-    guard_hook,
     guarded_apply,
-    inside_engine,
     make_ghost,
     refuse_state_dict_load,
 )
 from fxoffload_hf.config import BudgetSpec, OffloadConfig
+from fxoffload_hf.eager_fallback import EagerWeights
 from fxoffload_hf.engine import Engine
 from fxoffload_hf.memory import memory_limit, tensor_nbytes
 from fxoffload_hf.memory_model import MemoryModel
@@ -185,7 +184,7 @@ def offload(
         if config.device.type == "cuda":
             store.pin_host_memory()
         holders = _install_ghosts(large, store, config.device, undo)
-        _guard_modules(model, holders, undo)
+        _guard_modules(model, holders, engine, undo)
         for entry in entry_points:
             _wrap_entry(model, entry, engine, undo)
     except BaseException:
@@ -333,10 +332,13 @@ def _install_ghosts(
     return holders
 
 
-def _guard_modules(model: nn.Module, holders: set[nn.Module], undo: list[Undo]) -> None:
-    """Refuse eager calls of modules holding ghosts, convert ghosts on ``.to()``, refuse state-dict loads."""
+def _guard_modules(model: nn.Module, holders: set[nn.Module], engine: Engine, undo: list[Undo]) -> None:
+    """Give ghosts their values when their module runs eagerly, convert ghosts on ``.to()``, refuse
+    state-dict loads."""
+    names = {module: name for name, module in model.named_modules(remove_duplicate=False)}
+    eager = EagerWeights({m: names.get(m, "") for m in holders}, engine.lock)
     for module in holders:
-        undo.append(AttachedHook(module.register_forward_pre_hook(guard_hook)))
+        undo.extend(AttachedHook(handle) for handle in eager.install(module))
         undo.append(
             PatchedAttribute(module, "_apply", "_apply" in module.__dict__, module.__dict__.get("_apply"))
         )
@@ -358,7 +360,7 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, undo: list[Undo]) 
         if torch.compiler.is_dynamo_compiling():
             # traced as part of another entry point (an encoder inside the full forward): inline it
             return original(*args, **kwargs)
-        with engine.lock, inside_engine():
+        with engine.lock:
             try:
                 return compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as exc:

@@ -2,15 +2,14 @@
 
 A ghost stands in for an offloaded parameter: same shape, dtype and device, but a zero-stride view of
 one NaN, so whole-module ``.to()`` calls cost nothing and any computation that reads it outside a
-captured graph gives NaN rather than a plausible number. A forward pre-hook on every module that owns
-a ghost also refuses eager calls outside the engine with a clear error. Inside a captured graph the
-ghost is a placeholder whose handle tells the executor which stored weight to feed in its place.
+captured graph and outside its module's call gives NaN rather than a plausible number. A module that
+runs eagerly gets its ghosts' values for the call (``eager_fallback``). Inside a captured graph the
+ghost is a placeholder whose handle tells the engine which stored weight to feed in its place.
 """
 
 from __future__ import annotations
 
 import inspect
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,6 @@ from fxoffload_hf.weights import WeightRecord, WeightStore
 
 HANDLE_ATTR = "_fxoffload_handle"
 _SUCCESSOR_ATTR = "_fxoffload_successor"
-_inside = threading.local()
 # Graphs one entry point may capture: lengths never add graphs (sizes are symbolic), but dynamo
 # specialises on what is None, on sizes of 1 and on cache state, and Transformers' generate and
 # pipelines combine those (mask, position ids, batch, prefill or decode) into up to 16 forms.
@@ -35,10 +33,6 @@ class GhostHandle:
 
     store: WeightStore
     record: WeightRecord
-
-
-class OffloadedWeightAccessError(RuntimeError):
-    """An offloaded module was run outside the engine, where its weights are not present."""
 
 
 def make_ghost(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -103,38 +97,6 @@ def refuse_state_dict_load(module: nn.Module, *args: Any, **kwargs: Any) -> None
 
 def handle_of(value: Any) -> GhostHandle | None:
     return getattr(value, HANDLE_ATTR, None)
-
-
-def is_inside_engine() -> bool:
-    return getattr(_inside, "depth", 0) > 0
-
-
-class inside_engine:  # noqa: N801 - used as a context manager
-    """Marks the current thread as running an offloaded forward."""
-
-    def __enter__(self) -> None:
-        _inside.depth = getattr(_inside, "depth", 0) + 1
-
-    def __exit__(self, *exc: object) -> None:
-        _inside.depth -= 1
-
-
-def guard_hook(module: nn.Module, args: Any) -> None:
-    """Forward pre-hook on modules holding ghosts: refuse eager calls outside the engine."""
-    if torch.compiler.is_dynamo_compiling():
-        return
-    if not is_inside_engine():
-        raise OffloadedWeightAccessError(
-            f"{type(module).__name__} holds weights offloaded by fxoffload_hf and was called directly; "
-            "call the offloaded model itself, or fxoffload_hf.restore(model) first"
-        )
-    # inside the engine but not captured: dynamo fell back to eager (a graph break in this module, or its
-    # recompile limit), where the weights would be placeholders
-    raise OffloadedWeightAccessError(
-        f"{type(module).__name__} ran outside a captured graph (dynamo fell back to eager: a graph break "
-        "inside it, or torch._dynamo.config.recompile_limit reached); its offloaded weights are not there. "
-        "Raise the recompile limit, or remove the graph break"
-    )
 
 
 def compile_entry(fn: Callable[..., Any], backend: Callable[..., Any]) -> Callable[..., Any]:

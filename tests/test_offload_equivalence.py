@@ -113,12 +113,14 @@ def test_tied_weights_are_stored_once():
         fxoffload_hf.restore(model)
 
 
-def test_calling_an_offloaded_submodule_directly_fails_loudly():
+def test_calling_an_offloaded_submodule_directly_gives_the_eager_result():
     model = build_model("llama")
+    eager = build_model("llama")
     fxoffload_hf.offload(model, gpu_memory=int(weight_bytes(model) * 0.6), device="cpu")
+    hidden = torch.randn(1, 128, generator=torch.Generator().manual_seed(0))
     try:
-        with pytest.raises(RuntimeError, match="offloaded by fxoffload_hf"):
-            model.lm_head(torch.zeros(1, 128))
+        with pytest.warns(UserWarning, match="'lm_head' ran outside a captured graph"):
+            assert torch.equal(model.lm_head(hidden), eager.lm_head(hidden))
     finally:
         fxoffload_hf.restore(model)
 

@@ -27,7 +27,6 @@ from safetensors.torch import load_file, save_file
 
 import fxoffload_hf
 from fxoffload_hf.api import OwnedFolder
-from fxoffload_hf.capture import OffloadedWeightAccessError
 from fxoffload_hf.runner import PieceError
 from fxoffload_hf.safetensors_io import CheckpointError, read_header
 from fxoffload_hf.weights import Tier
@@ -306,8 +305,8 @@ def test_keyboard_interrupt_mid_forward_leaves_a_working_model(where, mlp_case, 
         probe.start()
         probe.join()
         assert took == [True]
-        with pytest.raises(OffloadedWeightAccessError):
-            model.layers[0](x)
+        with pytest.warns(UserWarning, match="ran outside a captured graph"):
+            assert not model.layers[0](x).isnan().any()  # a direct call gets the weights for the call
         for _ in range(3):
             with torch.no_grad():
                 assert torch.equal(model(x), expected)
@@ -358,8 +357,10 @@ def test_many_recompilations_never_give_silent_nan(mlp, weight_bytes):
             with torch.no_grad():
                 try:
                     out = model(x)
-                except Exception as exc:  # past the limit a clear refusal is fine, a wrong number is not
-                    assert rank > 8 and ("fxoffload" in str(exc) or "recompile" in str(exc)), exc
+                except (
+                    fxoffload_hf.BudgetTooSmallError
+                ) as exc:  # a clear refusal is fine, a wrong number is not
+                    assert rank > 8 and "pass gpu_memory=" in str(exc), exc
                     continue
                 assert torch.equal(out, eager(x)), f"rank {rank}: wrong output (NaN: {out.isnan().any()})"
     finally:
@@ -655,7 +656,7 @@ def test_thousand_forwards_do_not_grow_memory_or_tensors(mlp_case, weight_bytes)
         fxoffload_hf.restore(model)
 
 
-GRAPH_BOUND = 4  # measured: 4 (prefill and decode, each static then dynamic), from the 2nd call on
+GRAPH_BOUND = 4  # prefill and decode, for a one-token prompt (dynamo specialises sizes of 1) and any other
 
 
 def test_two_hundred_generate_calls_keep_a_bounded_number_of_graphs(build_model, weight_bytes):

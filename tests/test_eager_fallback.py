@@ -1,0 +1,127 @@
+"""Eager fallback: modules dynamo leaves to run eagerly, and direct calls, get their weights for the call."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fxoffload_hf
+from fxoffload_hf.capture import handle_of
+from fxoffload_hf.eager_fallback import EagerFallbackWarning
+
+
+class Uncapturable(nn.Linear):
+    """A projection dynamo never captures (as with a graph break it cannot trace past)."""
+
+    @torch._dynamo.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias).relu()
+
+
+class BreakInside(nn.Module):
+    """Reads its own weight on both sides of a graph break."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / width**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x @ self.weight
+        torch._dynamo.graph_break()
+        return (x @ self.weight.T).tanh()
+
+
+class Mixed(nn.Module):
+    def __init__(self, width: int = 256) -> None:
+        super().__init__()
+        self.first = nn.Linear(width, width)
+        self.eager = Uncapturable(width, width)
+        self.broken = BreakInside(width)
+        self.last = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.broken(self.eager(self.first(x).relu())))
+
+
+def _ghosts_are_ghosts(model: nn.Module) -> bool:
+    ghosts = [p for p in model.parameters() if handle_of(p) is not None]
+    return bool(ghosts) and all(p.untyped_storage().nbytes() == p.element_size() for p in ghosts)
+
+
+@pytest.fixture
+def mixed(weight_bytes):
+    torch.manual_seed(0)
+    model = Mixed().eval()
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        expected = model(x)
+    fxoffload_hf.offload(model, gpu_memory=int(weight_bytes(model) * 0.9), device="cpu")
+    yield model, x, expected
+    fxoffload_hf.restore(model)
+
+
+def test_modules_dynamo_does_not_capture_run_exactly_with_one_warning_each(mixed):
+    model, x, expected = mixed
+    with pytest.warns(EagerFallbackWarning) as caught, torch.no_grad():
+        first = model(x)
+    assert torch.equal(first, expected)
+    named = sorted(str(w.message).split()[1] for w in caught)
+    assert named == ["'eager'"], [str(w.message) for w in caught]  # the graph break is captured around
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EagerFallbackWarning)  # once per module, not per call
+        with torch.no_grad():
+            assert torch.equal(model(x), expected)
+    assert _ghosts_are_ghosts(model)
+
+
+def test_a_submodule_called_directly_gets_its_weights_for_the_call_only(mixed):
+    model, x, _expected = mixed
+    with torch.no_grad():
+        model(x)
+    restored_values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.warns(EagerFallbackWarning, match="'last'"), torch.no_grad():
+        direct = model.last(x)
+    assert _ghosts_are_ghosts(model)
+    fxoffload_hf.restore(model)
+    with torch.no_grad():
+        assert torch.equal(direct, model.last(x))
+    fxoffload_hf.offload(model, gpu_memory=None, device="cpu")  # the fixture restores it again
+    assert restored_values.keys() == dict(model.named_parameters()).keys()
+
+
+def test_an_exception_inside_an_eager_module_gives_the_ghosts_back_and_frees_the_engine(mixed):
+    model, x, expected = mixed
+    with pytest.warns(EagerFallbackWarning), pytest.raises(RuntimeError, match="mat1 and mat2"):
+        model.last(torch.randn(3, 7))
+    assert _ghosts_are_ghosts(model)
+    lock = fxoffload_hf.engine_of(model).lock
+    took = []
+    thread = threading.Thread(target=lambda: took.append(lock.acquire(timeout=5)) or lock.release())
+    thread.start()
+    thread.join()
+    assert took == [True]
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
+def test_past_the_recompile_limit_the_model_runs_eagerly_and_exactly(monkeypatch, build_model, weight_bytes):
+    import fxoffload_hf.capture
+
+    monkeypatch.setattr(fxoffload_hf.capture, "RECOMPILE_LIMIT", 2)
+    model = build_model("mlp")
+    eager = build_model("mlp")
+    fxoffload_hf.offload(model, gpu_memory=int(weight_bytes(model) * 0.5), device="cpu")
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            for rank in range(1, 6):  # each rank is a new graph: from the third on, dynamo gives up
+                x = torch.randn(*([2] * (rank - 1)), 256, generator=torch.Generator().manual_seed(rank))
+                assert torch.equal(model(x), eager(x)), rank
+        assert len(fxoffload_hf.engine_of(model).runners) == 2
+        assert any(issubclass(w.category, EagerFallbackWarning) for w in caught)
+    finally:
+        fxoffload_hf.restore(model)
