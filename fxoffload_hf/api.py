@@ -185,6 +185,7 @@ def offload(
             store.pin_host_memory()
         holders = _install_ghosts(large, store, config.device, undo)
         _guard_modules(model, holders, engine, undo)
+        _take_eager_code_paths(model, undo)
         for entry in entry_points:
             _wrap_entry(model, entry, engine, undo)
     except BaseException:
@@ -344,6 +345,24 @@ def _guard_modules(model: nn.Module, holders: set[nn.Module], engine: Engine, un
         )
         module._apply = guarded_apply(module)  # type: ignore[method-assign]
     undo.append(AttachedHook(model.register_load_state_dict_pre_hook(refuse_state_dict_load)))
+
+
+# Module attributes that make a model take, only while dynamo compiles it, another algorithm than the
+# eager one (with other rounding): set to the eager choice so the offloaded output is the eager output.
+# Transformers' Mamba mixers use a parallel associative scan under compile, a sequential one eagerly.
+_COMPILE_ONLY_SWITCHES = {"use_associative_scan": False}
+
+
+def _take_eager_code_paths(model: nn.Module, undo: list[Undo]) -> None:
+    """Turn off the compile-only algorithms above, on the modules and configs that carry them."""
+    owners = [*model.modules()]
+    owners += [c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None]
+    for owner in {id(o): o for o in owners}.values():
+        for attr, eager in _COMPILE_ONLY_SWITCHES.items():
+            value = getattr(owner, attr, None)
+            if isinstance(value, bool) and value != eager:
+                undo.append(PatchedAttribute(owner, attr, attr in owner.__dict__, value))
+                setattr(owner, attr, eager)
 
 
 def _wrap_entry(model: nn.Module, entry: str, engine: Engine, undo: list[Undo]) -> None:

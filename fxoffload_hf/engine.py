@@ -25,7 +25,7 @@ from fxoffload_hf.memory import return_large_frees_to_the_os
 from fxoffload_hf.memory_model import MemoryModel
 from fxoffload_hf.observers import Profiler
 from fxoffload_hf.partition import Partition
-from fxoffload_hf.planner import GraphInput, ModelPlan, partition_for_budget, plan_model
+from fxoffload_hf.planner import GraphInput, ModelPlan, partition_for_budget, plan_model, sizes_for_budget
 from fxoffload_hf.program import build_program
 from fxoffload_hf.runner import CallMeasure, GraphRunner, Observer
 from fxoffload_hf.schedule import PieceProfile, choose_resident
@@ -109,8 +109,11 @@ class Engine:
             gm.recompile()
         facts = graph_facts(gm, example_inputs)
         self._make_room_for_activations(facts.activation_bytes)
+        sizes = sizes_for_budget(
+            facts.weight_bytes, facts.names, facts.lookups, self.store.records, self.loader.device_type
+        )
         partition = partition_for_budget(
-            gm.graph, facts.weight_bytes, facts.activation_bytes, self.memory, self.config.policy
+            gm.graph, sizes, facts.activation_bytes, self.memory, self.config.policy, facts.names
         )
         program = build_program(gm, partition, facts, self.config.compile)
         partition.forget_nodes()

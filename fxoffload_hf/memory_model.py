@@ -5,7 +5,8 @@ Everything the engine holds where the model computes is counted here:
     fixed (small parameters and buffers kept on the device)
   + activations (the peak of live intermediates of the largest graph)
   + resident weights (kept between calls)
-  + pieces in flight (``distance + 1`` consecutive streamed pieces, each laid out at aligned offsets)
+  + pieces in flight (``distance + 1`` consecutive streamed pieces, each laid out at aligned offsets;
+    a piece that does not fit beside the one before it waits for it: the floor is the largest alone)
 
 The partitioner, the scheduler, ``plan`` and ``offload`` all ask this module; none restates the rule.
 """
@@ -38,16 +39,42 @@ def piece_bytes(tensor_bytes: Iterable[int]) -> int:
     return sum(aligned(b) for b in tensor_bytes)
 
 
-def window_bytes(pieces: Sequence[int], width: int) -> int:
-    """The most bytes any ``width`` consecutive pieces hold together (the pieces in flight at once)."""
+def window_bytes(pieces: Sequence[int], width: int, cuts: Sequence[bool] = ()) -> int:
+    """The most bytes any ``width`` consecutive pieces hold together (the pieces in flight at once).
+
+    ``cuts[i]``: piece ``i`` is loaded only once the piece before it is released (it does not fit beside
+    it), so no window spans that boundary.
+    """
     if not pieces:
         return 0
     width = min(max(width, 1), len(pieces))
-    total = best = sum(pieces[:width])
-    for i in range(width, len(pieces)):
-        total += pieces[i] - pieces[i - width]
+    if not any(cuts):
+        total = best = sum(pieces[:width])
+        for i in range(width, len(pieces)):
+            total += pieces[i] - pieces[i - width]
+            best = max(best, total)
+        return best
+    best = 0
+    for start in range(len(pieces)):
+        total = pieces[start]
+        for i in range(start + 1, min(start + width, len(pieces))):
+            if cuts[i]:
+                break
+            total += pieces[i]
         best = max(best, total)
     return best
+
+
+def cuts_for(pieces: Sequence[int], room: int | None) -> tuple[bool, ...]:
+    """For each piece, whether it must wait for the piece before it to be released: the two do not fit
+    in ``room`` together (a piece that brings nothing in never waits). Such a piece streams without
+    overlap; it needs only itself to fit."""
+    if room is None:
+        return (False,) * len(pieces)
+    return tuple(
+        i > 0 and pieces[i - 1] > 0 and pieces[i] > 0 and pieces[i - 1] + pieces[i] > room
+        for i in range(len(pieces))
+    )
 
 
 def pair_bytes(pieces: Sequence[int]) -> int:
@@ -118,15 +145,16 @@ class MemoryModel:
         return max(room // PIECE_DIVISOR[policy], 1)
 
     def smallest_budget(self, largest_piece: int, activations: int) -> int:
-        """The least budget that streams pieces whose largest takes ``largest_piece`` bytes, two at once."""
-        return self.need(activations=activations, in_flight=2 * aligned(largest_piece))
+        """The least budget that streams pieces whose largest takes ``largest_piece`` bytes: it alone
+        (a piece that does not fit beside its neighbour runs without overlap)."""
+        return self.need(activations=activations, in_flight=aligned(largest_piece))
 
     def too_small(self, smallest: int, activations: int = 0, detail: str = "") -> BudgetTooSmallError:
         """The one "budget too small" error: what the budget must hold, and the budget that works."""
         what = f" ({detail})" if detail else ""
         return BudgetTooSmallError(
             f"{self.budget_name}={format_bytes(self.budget)} is too small for this model{what}. "
-            f"Two pieces in flight, {format_bytes(activations)} of activations and "
+            f"The largest piece alone, {format_bytes(activations)} of activations and "
             f"{format_bytes(self.fixed_bytes)} of resident small tensors need at least "
             f"{format_bytes(smallest)}: pass {self.budget_name}={smallest} or more",
             smallest_budget=smallest,
@@ -136,12 +164,12 @@ class MemoryModel:
         """Refuse up front a budget that cannot stream the largest weight (activations come later).
 
         Raises:
-            BudgetTooSmallError: two of the largest weights do not fit beside the small tensors.
+            BudgetTooSmallError: the largest weight does not fit beside the small tensors.
         """
         largest = max(weight_bytes, default=0)
         if self.budget is None or not largest:
             return
         smallest = self.smallest_budget(largest, 0)
         if smallest > self.budget:
-            detail = f"the largest weight takes {format_bytes(largest)} and two must fit at once"
+            detail = f"the largest weight takes {format_bytes(largest)} and must fit whole"
             raise self.too_small(smallest, 0, detail)

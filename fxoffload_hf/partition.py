@@ -272,7 +272,12 @@ class _Grouper:
 
 
 def partition_graph(
-    graph: fx.Graph, weight_bytes: Mapping[fx.Node, int], budget: int, *, max_atom: int | None = None
+    graph: fx.Graph,
+    weight_bytes: Mapping[fx.Node, int],
+    budget: int,
+    *,
+    max_atom: int | None = None,
+    names: Mapping[fx.Node, str] | None = None,
 ) -> Partition:
     """Cut ``graph`` into sequential pieces whose weights (nodes in ``weight_bytes``) fit ``budget``.
 
@@ -306,9 +311,9 @@ def partition_graph(
     if largest > max_atom:
         heaviest = max(atom_weights[largest_atom], key=lambda w: weight_bytes[w])
         raise BudgetTooSmallError(
-            f"weight {heaviest.name!r} ({format_bytes(weight_bytes[heaviest])}, loaded together with "
-            f"{len(atom_weights[largest_atom]) - 1} other weight(s) of its op) does not fit the piece budget of "
-            f"{format_bytes(max_atom)}; the smallest piece budget that works is {format_bytes(largest)}",
+            f"weight {(names or {}).get(heaviest, heaviest.name)!r} ({format_bytes(weight_bytes[heaviest])}, loaded together with "
+            f"{len(atom_weights[largest_atom]) - 1} other weight(s) of its op) does not fit the room of "
+            f"{format_bytes(max_atom)} beside the activations; it needs {format_bytes(largest)}",
             smallest_budget=largest,
         )
 

@@ -17,10 +17,11 @@ from fxoffload_hf.graphs import activation_peak
 from fxoffload_hf.memory_model import (
     BudgetTooSmallError,
     MemoryModel,
+    cuts_for,
     format_bytes,
     nbytes,
-    pair_bytes,
     piece_bytes,
+    window_bytes,
 )
 from fxoffload_hf.planner import partition_for_budget
 
@@ -59,7 +60,7 @@ class PlanReport:
         lines += [
             f"pieces             {len(self.pieces)} (weights per piece {format_bytes(min(self.pieces))} .. "
             f"{format_bytes(max(self.pieces))})",
-            f"staging arena      {format_bytes(self.arena_bytes)} (two consecutive pieces in flight)",
+            f"staging arena      {format_bytes(self.arena_bytes)} (two consecutive pieces in flight, or one too large to pair)",
             f"resident at most   {format_bytes(self.resident_bytes_max)} (kept in memory, the rest streams)",
         ]
         return "\n".join(lines)
@@ -152,7 +153,8 @@ def plan_config(
         report.smallest_budget = exc.smallest_budget
         return report
     report.pieces = [p.weight_bytes for p in partition.pieces]
-    report.arena_bytes = pair_bytes([piece_bytes(weights[w] for w in p.weights) for p in partition.pieces])
+    sizes = [piece_bytes(weights[w] for w in p.weights) for p in partition.pieces]
     room = memory.room(activations)
+    report.arena_bytes = window_bytes(sizes, 2, cuts_for(sizes, room))  # a piece too large to pair runs alone
     report.resident_bytes_max = report.weight_bytes if room is None else max(room - report.arena_bytes, 0)
     return report

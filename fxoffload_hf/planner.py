@@ -19,19 +19,37 @@ from dataclasses import dataclass
 from torch import fx
 
 from fxoffload_hf.loaders import LoadSpec, Reader, Way, way_of
-from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, pair_bytes, piece_bytes, window_bytes
+from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, cuts_for, piece_bytes, window_bytes
 from fxoffload_hf.partition import Partition, partition_graph
 from fxoffload_hf.schedule import PieceProfile, choose_distance, load_groups
-from fxoffload_hf.weights import WeightRecord
+from fxoffload_hf.weights import Tier, WeightRecord
+
+
+def sizes_for_budget(
+    weight_bytes: Mapping[fx.Node, int],
+    names: Mapping[fx.Node, str],
+    lookups: frozenset[str],
+    records: Mapping[str, WeightRecord],
+    device_type: str,
+) -> dict[fx.Node, int]:
+    """What each weight of a graph takes in flight: its bytes, or nothing for a table read by rows."""
+    return {
+        w: 0 if read_by_rows(records[names[w]], lookups, device_type) else b for w, b in weight_bytes.items()
+    }
 
 
 def partition_for_budget(
-    graph: fx.Graph, weight_bytes: Mapping[fx.Node, int], activations: int, memory: MemoryModel, policy: str
+    graph: fx.Graph,
+    weight_bytes: Mapping[fx.Node, int],
+    activations: int,
+    memory: MemoryModel,
+    policy: str,
+    names: Mapping[fx.Node, str] | None = None,
 ) -> Partition:
     """Partition a captured graph for ``memory``'s budget under ``policy``.
 
     Raises:
-        BudgetTooSmallError: two of the largest unsplittable weight groups plus the activations do not
+        BudgetTooSmallError: the largest unsplittable weight group alone plus the activations does not
             fit; the message names the smallest budget that works.
     """
     room = memory.room(activations)
@@ -39,19 +57,16 @@ def partition_for_budget(
         return partition_graph(graph, weight_bytes, max(sum(weight_bytes.values()), 1))
     target = memory.piece_target(policy, activations)
     try:
-        # an unsplittable group larger than the target sits alone in its piece, as long as two such
-        # pieces could still be in flight together
-        result = partition_graph(graph, weight_bytes, target, max_atom=max(room // 2, target))
+        # an unsplittable group larger than the target sits alone in its piece; one larger than half the
+        # room streams without overlap (the plan cuts around it), as long as it fits the room by itself
+        result = partition_graph(graph, weight_bytes, target, max_atom=max(room, target), names=names)
     except BudgetTooSmallError as exc:
         smallest = memory.smallest_budget(exc.smallest_budget, activations)
         raise memory.too_small(smallest, activations, str(exc)) from None
-    pieces = [piece_bytes(weight_bytes[w] for w in p.weights) for p in result.pieces]
-    if not memory.fits(activations=activations, in_flight=pair_bytes(pieces)):
-        # pieces of the target size do not pair up within the room: one piece per largest atom
-        smallest = memory.smallest_budget(result.largest_atom_bytes, activations)
-        if smallest > room + memory.need(activations=activations):
-            raise memory.too_small(smallest, activations)
-        result = partition_graph(graph, weight_bytes, result.largest_atom_bytes)
+    # the floor: the largest piece alone beside the activations and the small tensors
+    largest = max((piece_bytes(weight_bytes[w] for w in p.weights) for p in result.pieces), default=0)
+    if not memory.fits(activations=activations, in_flight=largest):
+        raise memory.too_small(memory.need(activations=activations, in_flight=largest), activations)
     return result
 
 
@@ -63,6 +78,7 @@ class GraphSchedule:
     group_ends: tuple[int, ...]  # per piece: one past the last piece loaded with it
     distance: int  # loads started ahead of the one the compute waits for
     reader: Reader
+    cuts: tuple[bool, ...] = ()  # per piece: its load waits until the load before it is released
 
 
 @dataclass(frozen=True)
@@ -83,7 +99,7 @@ class ModelPlan:
     """Everything the runners of one model need, made for one placement of its weights."""
 
     version: int  # the store's version it was made for
-    arena_bytes: int  # staging arena: two consecutive loads of staged weights
+    arena_bytes: int  # staging arena: two consecutive loads of staged weights (one, across a cut)
     in_flight_bytes: int  # what the streamed pieces in flight hold at most (arena or mapped pages)
     graphs: tuple[GraphPlan, ...]
 
@@ -111,33 +127,54 @@ def plan_model(
 ) -> ModelPlan:
     """Plan every graph of a model for the weights' current tiers (``records``)."""
     per_graph = [[[records[n] for n in names] for names in g.piece_names] for g in graphs]
+    room = memory.room(activations)
+    flight_room = None if room is None else room - _kept_bytes(records)
+    cuts, streamed = [], []
+    for g, pieces in zip(graphs, per_graph, strict=True):
+        whole = {r.name for piece in pieces for r in piece if not read_by_rows(r, g.lookups, device_type)}
+        moving = [_bytes(piece, lambda r: r.tier.streams and r.name in whole) for piece in pieces]  # noqa: B023
+        cuts.append(cuts_for(moving, flight_room))
+        streamed.append([_bytes(piece, lambda r: r.tier.from_file and r.name in whole) for piece in pieces])  # noqa: B023
     staged = [
         [_bytes(piece, lambda r: way_of(r, device_type) is Way.STAGED) for piece in g] for g in per_graph
     ]
-    streamed = [[_bytes(piece, lambda r: r.tier.from_file) for piece in g] for g in per_graph]
-    arena = max((pair_bytes(s) for s in staged if any(s)), default=0)
-    room = memory.room(activations)
+    arena = max((window_bytes(s, 2, c) for s, c in zip(staged, cuts, strict=True) if any(s)), default=0)
     distances = [
         1
-        if arena or room is None or policy != "auto" or not g.profile
+        if arena or room is None or policy != "auto" or not g.profile or any(c)
         else _distance(g.profile, records, room)
-        for g in graphs
+        for g, c in zip(graphs, cuts, strict=True)
     ]
     in_flight = max(
-        (window_bytes(s, d + 1) for s, d in zip(streamed, distances, strict=True) if any(s)), default=0
+        (window_bytes(s, d + 1, c) for s, d, c in zip(streamed, distances, cuts, strict=True) if any(s)),
+        default=0,
     )
     inline_reader = inline if device_type == "cpu" else None
     plans = []
-    for graph, pieces, sizes, distance in zip(graphs, per_graph, streamed, distances, strict=True):
+    for graph, pieces, sizes, distance, cut in zip(graphs, per_graph, streamed, distances, cuts, strict=True):
         singles = tuple(range(1, len(pieces) + 1))
         build = _loads_builder(pieces, device_type, graph.lookups)
         inline_schedule = None
         if inline_reader is not None:
             # staged pieces share the arena two at a time: those load one by one
             groups = singles if arena else tuple(load_groups(sizes, in_flight))
-            inline_schedule = GraphSchedule(build(groups), groups, 0, inline_reader)
-        plans.append(GraphPlan(GraphSchedule(build(singles), singles, distance, threaded), inline_schedule))
+            inline_schedule = GraphSchedule(build(groups), groups, 0, inline_reader, cut)
+        plans.append(
+            GraphPlan(GraphSchedule(build(singles), singles, distance, threaded, cut), inline_schedule)
+        )
     return ModelPlan(version, arena, in_flight, tuple(plans))
+
+
+def read_by_rows(record: WeightRecord, lookups: frozenset[str], device_type: str) -> bool:
+    """A table the graph only looks rows up in, read where it lies (mapped file pages on the CPU): only
+    the rows looked up are brought in, so the table never counts whole."""
+    return record.name in lookups and way_of(record, device_type) is Way.MAPPED
+
+
+def _kept_bytes(records: Mapping[str, WeightRecord]) -> int:
+    """Bytes of the weights kept where the model computes between calls."""
+    seen = {id(r): r for r in records.values()}
+    return sum(r.footprint for r in seen.values() if r.tier in (Tier.DEVICE, Tier.MAPPED))
 
 
 def _bytes(piece: list[WeightRecord], counted: Callable[[WeightRecord], bool]) -> int:

@@ -65,15 +65,17 @@ class GraphRunner:
     def __call__(self, *args: Any) -> Any:
         schedule, loader, observers = self.schedule, self.loader, self.observers
         loads, ends, reader = schedule.loads, schedule.group_ends, schedule.reader
+        cuts = schedule.cuts or (False,) * len(loads)
         pieces = self.program.pieces
         env: dict[fx.Node, Any] = {node: args[i] for node, i in self.program.inputs}
         ahead: deque[Future[Loaded]] = deque()
-        submitted = 0
+        submitted = released = 0  # pieces whose loads were submitted, and released
         loaded, loaded_until = Loaded({}, 0.0, 0.0, 0), 0  # the load in use; one past its last piece
 
         def load_ahead(upto: int) -> None:
             nonlocal submitted
-            while submitted < min(upto, pieces):
+            # a cut load waits until the one before it is released: the two do not fit together
+            while submitted < min(upto, pieces) and not (cuts[submitted] and released < submitted):
                 ahead.append(reader.submit(loader.load, loads[submitted]))
                 submitted = ends[submitted]
 
@@ -113,6 +115,7 @@ class GraphRunner:
                         del call_args
                         if step.piece + 1 == loaded_until or not ran:  # the last piece of its load, or failed
                             loader.release(loaded)
+                            released = loaded_until
                     env[step.node] = loader.detach(result)
                     compute_s += time.perf_counter() - start
                     for observer in observers:

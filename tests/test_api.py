@@ -15,7 +15,7 @@ def _snapshot(model: torch.nn.Module) -> dict:
         "buffers": {n: b for n, b in model.named_buffers()},
         "dicts": {n: set(m.__dict__) for n, m in model.named_modules()},
         "hooks": {
-            n: (len(m._forward_pre_hooks), len(m._load_state_dict_pre_hooks))
+            n: (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._load_state_dict_pre_hooks))
             for n, m in model.named_modules()
         },
     }
@@ -59,3 +59,28 @@ def test_an_up_front_refusal_names_the_smallest_budget_and_installs_nothing(buil
         fxoffload_hf.offload(model, gpu_memory=1024, device="cpu")
     assert info.value.smallest_budget > 1024
     assert _snapshot(model) == before
+
+
+def test_compile_only_algorithms_are_switched_to_the_eager_ones_and_back(tmp_path):
+    """Transformers' Mamba mixers use a parallel scan only under torch.compile (other rounding than the
+    eager sequential scan): the offloaded model runs the eager one, and restore puts the switch back."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=1000, state_size=8)
+    model = tf.MambaForCausalLM(config).eval()
+    ids = torch.randint(0, 1000, (1, 10), generator=torch.Generator().manual_seed(0))
+    mixers = [m for m in model.modules() if hasattr(m, "use_associative_scan")]
+    assert mixers and all(m.use_associative_scan for m in mixers) and model.config.use_associative_scan
+    with torch.no_grad():
+        expected = model(ids).logits
+    fxoffload_hf.offload(
+        model, gpu_memory=int(sum(p.numel() * 4 for p in model.parameters()) * 1.5), device="cpu"
+    )
+    try:
+        assert not any(m.use_associative_scan for m in mixers) and not model.config.use_associative_scan
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, expected)
+    finally:
+        fxoffload_hf.restore(model)
+    assert all(m.use_associative_scan for m in mixers) and model.config.use_associative_scan

@@ -8,6 +8,7 @@ from fxoffload_hf.memory_model import (
     BudgetTooSmallError,
     MemoryModel,
     aligned,
+    cuts_for,
     nbytes,
     pair_bytes,
     piece_bytes,
@@ -44,11 +45,32 @@ def test_piece_target_splits_the_room_by_policy():
     assert MemoryModel(10, fixed_bytes=100).piece_target("auto", 0) == 1
 
 
-def test_smallest_budget_holds_two_of_the_largest_piece():
+def test_smallest_budget_holds_the_largest_piece_alone():
     memory = MemoryModel(0, fixed_bytes=100)
     smallest = memory.smallest_budget(largest_piece=1000, activations=50)
-    assert smallest == 100 + 50 + 2 * aligned(1000)
-    assert MemoryModel(smallest, fixed_bytes=100).fits(activations=50, in_flight=2 * aligned(1000))
+    assert smallest == 100 + 50 + aligned(1000)
+    assert MemoryModel(smallest, fixed_bytes=100).fits(activations=50, in_flight=aligned(1000))
+    assert not MemoryModel(smallest - 1, fixed_bytes=100).fits(activations=50, in_flight=aligned(1000))
+
+
+@pytest.mark.parametrize(
+    ("pieces", "room", "cuts"),
+    [
+        ([10, 10, 10], 20, (False, False, False)),
+        ([10, 30, 10], 35, (False, True, True)),
+        ([30, 30], 59, (False, True)),
+        ([5, 40, 5, 5], None, (False, False, False, False)),
+    ],
+)
+def test_a_piece_that_does_not_fit_beside_its_neighbour_is_cut_from_it(pieces, room, cuts):
+    assert cuts_for(pieces, room) == cuts
+    # no window of pieces in flight spans a cut: what is held at once is the largest uncut run
+    held = window_bytes(pieces, 2, cuts)
+    assert held <= (room if room is not None else sum(pieces))
+    assert held == max(
+        [max(pieces)]
+        + [a + b for a, b, cut in zip(pieces[:-1], pieces[1:], cuts[1:], strict=True) if not cut]
+    )
 
 
 def test_the_error_names_the_budget_and_the_size_that_works():
@@ -60,12 +82,12 @@ def test_the_error_names_the_budget_and_the_size_that_works():
     assert "300 B of activations" in message and "pass cpu_memory=5000 or more" in message
 
 
-def test_weights_are_checked_up_front_against_two_in_flight():
-    memory = MemoryModel(2 * 128 + 10, fixed_bytes=10)
+def test_weights_are_checked_up_front_against_the_largest_alone():
+    memory = MemoryModel(128 + 10, fixed_bytes=10)
     memory.check_weights([100, 128])  # exactly fits
     with pytest.raises(BudgetTooSmallError, match=r"largest weight takes 129 B.*pass gpu_memory=\d+") as info:
         memory.check_weights([129])
-    assert info.value.smallest_budget == 10 + 2 * 192
+    assert info.value.smallest_budget == 10 + 192
     MemoryModel(None).check_weights([10**12])  # no budget: nothing to refuse
 
 

@@ -128,27 +128,57 @@ def _aligned_sum(sizes: list[int]) -> int:
     return sum(-(-size // 64) * 64 for size in sizes)
 
 
+_TABLES = ("embed_tokens.weight", "wte.weight", "wpe.weight")
+
+
+def _read_by_rows(engine, name: str) -> bool:
+    """An embedding table (untied: used only for lookups) read in place from its file: only the rows
+    looked up are brought in, so it never counts whole (an independent reading of the planner's rule)."""
+    record = engine.store.records[name]
+    return (
+        name.endswith(_TABLES)
+        and not record.aliases
+        and record.disk is not None
+        and record.host is None
+        and record.resident is None
+        and record.disk.dtype == record.dtype
+    )
+
+
+def _streamed(engine, runner) -> list[int]:
+    """File bytes each piece of a graph brings in whole."""
+    return [
+        _aligned_sum(
+            [
+                r.disk.nbytes
+                for n, r in ((n, engine.store.records[n]) for n in names)
+                if r.resident is None
+                and r.host is None
+                and r.disk is not None
+                and not _read_by_rows(engine, n)
+            ]
+        )
+        for names in runner.program.piece_names
+    ]
+
+
 def _planned_in_flight(engine) -> int:
-    """An independent count of what two consecutive streamed pieces of any graph hold (file bytes)."""
+    """An independent count of what streamed pieces of any graph hold at once (file bytes): each piece,
+    and two consecutive ones unless the schedule makes the second wait for the first."""
     need = 0
     for runner in engine.runners:
-        streamed = [
-            _aligned_sum(
-                [
-                    r.disk.nbytes
-                    for r in (engine.store.records[n] for n in names)
-                    if r.resident is None and r.host is None and r.disk is not None
-                ]
-            )
-            for names in runner.program.piece_names
-        ]
-        pairs = [a + b for a, b in zip(streamed, streamed[1:], strict=False)] or streamed
-        need = max(need, *pairs, 0)
+        streamed = _streamed(engine, runner)
+        cuts = runner.schedule.cuts or (False,) * len(streamed)
+        pairs = [a + b for a, b, cut in zip(streamed, streamed[1:], cuts[1:], strict=False) if not cut]
+        need = max(need, *streamed, *pairs, 0)
     return need
 
 
 def _piece_bytes(engine, runner) -> list[int]:
-    return [sum(engine.weight_sizes[n] for n in names) for names in runner.program.piece_names]
+    return [
+        sum(engine.weight_sizes[n] for n in names if not _read_by_rows(engine, n))
+        for names in runner.program.piece_names
+    ]
 
 
 def check_engine_bookkeeping(engine, budget: int) -> dict[str, int]:
@@ -168,6 +198,12 @@ def check_engine_bookkeeping(engine, budget: int) -> dict[str, int]:
         resident = sum(r.nbytes for r in records if r.resident is not None and r.host is None)
     in_flight = engine.plan.in_flight_bytes
     assert in_flight >= _planned_in_flight(engine), "two streamed pieces are not counted"
+    room = budget - resident - max(engine.activation_bytes) - engine.memory.fixed_bytes
+    for runner in engine.runners:
+        streamed = _streamed(engine, runner)
+        for i, cut in enumerate(runner.schedule.cuts):
+            # a piece waits for the one before it only when the two could not be held together
+            assert not cut or streamed[i - 1] + streamed[i] > room, (streamed, runner.schedule.cuts, room)
     assert engine.loader.arena.capacity <= in_flight
     held = {
         "resident": resident,

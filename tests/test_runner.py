@@ -163,3 +163,22 @@ def test_observers_see_every_piece_with_its_load(setup):
     runner.observers = (Watch(),)
     runner(x, *values.values())
     assert seen == [(0, True), (1, False), (2, True), (3, False), (4, False)]
+
+
+@pytest.mark.parametrize("distance", [1, 3])
+def test_a_cut_load_waits_until_the_load_before_it_is_released(setup, distance):
+    program, values, x = setup
+    loader = RecordingLoader(values)
+    cuts = (False, False, True, True, False)  # piece 2 does not fit beside 1, nor 3 beside 2
+    schedule = replace(
+        schedule_for(program, tuple(range(1, DEPTH + 1)), distance, ThreadedReader(), loader), cuts=cuts
+    )
+    _, out = run(program, loader, schedule, x, values)
+    assert torch.equal(out, chain(x, *values.values()))
+    events = loader.events
+    for piece, cut in enumerate(cuts):
+        loaded = events.index(("load", (f"w{piece}",)))
+        if cut:  # the piece before is released before this one is loaded: never both held
+            assert events.index(("release", (f"w{piece - 1}",))) < loaded
+    # the uncut boundary still overlaps: piece 1 is loaded while piece 0 is held
+    assert events.index(("load", ("w1",))) < events.index(("release", ("w0",)))

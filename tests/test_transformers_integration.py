@@ -166,3 +166,44 @@ def test_offload_options_without_offload_are_refused_not_dropped(llama_ckpt):
     folder, _eager = llama_ckpt
     with pytest.raises(ValueError, match="cpu_memory only applies with offload='fx'"):
         fxoffload_hf.from_pretrained(folder, offload=None, cpu_memory="1GiB")
+
+
+def test_a_vocabulary_larger_than_half_the_budget_streams_alone_and_exactly(tmp_path):
+    """vocab 8,000 against hidden 128: each table takes 40% of the weights. The embedding table is read
+    by rows from its mapped pages and never counts whole; lm_head does not fit beside its neighbours, so
+    it streams alone (no overlap) instead of being refused."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=8000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4,
+    )  # fmt: skip
+    eager = tf.LlamaForCausalLM(config).eval()
+    eager.save_pretrained(tmp_path / "ckpt")
+    table = 8000 * 128 * 4
+    ids = torch.randint(0, 8000, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    # passes the up-front check (the largest weight alone), refused once activations are known
+    model = fxoffload_hf.from_pretrained(tmp_path / "ckpt", cpu_memory=table + 2**13, device="cpu")
+    try:
+        with (
+            pytest.raises(fxoffload_hf.BudgetTooSmallError, match="'lm_head.weight'") as info,
+            torch.no_grad(),
+        ):
+            model(ids, attention_mask=mask)
+    finally:
+        fxoffload_hf.restore(model)
+    smallest = info.value.smallest_budget
+    assert table < smallest < int(1.25 * table)  # the table alone, activations and the small tensors
+    model = fxoffload_hf.from_pretrained(tmp_path / "ckpt", cpu_memory=smallest, device="cpu")
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits)
+            options = {"attention_mask": mask, "max_new_tokens": 4, "do_sample": False}
+            assert torch.equal(model.generate(ids, **options), eager.generate(ids, **options))
+        runners = fxoffload_hf.engine_of(model).runners
+        assert any(any(r.schedule.cuts) for r in runners)  # lm_head waits for the piece before it
+    finally:
+        fxoffload_hf.restore(model)
