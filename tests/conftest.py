@@ -1,8 +1,9 @@
-"""Shared fixtures: tiny random-init models and checkpoints built from transformers configs.
+"""Shared fixtures: tiny random-init models and checkpoints built from transformers configs, and the
+checks several test modules make of an offloaded model.
 
 Test modules take these helpers as fixtures (``build_model``, ``example_input``, ``weight_bytes``,
-``save_checkpoint``, ``llama_master``, ``llama_ckpt``); the plain functions stay importable for modules
-not converted yet.
+``save_checkpoint``, ``llama_master``, ``llama_ckpt``, ``logits``, ``snapshot_params``,
+``assert_not_offloaded``, ...), never by importing this module.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+
+import fxoffload_hf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -129,6 +132,31 @@ def save_checkpoint(arch: str, folder: Path) -> nn.Module:
     return model
 
 
+def causal_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A causal LM's logits for ``ids``, computed without autograd."""
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def snapshot_params(model: nn.Module) -> dict[str, tuple[nn.Parameter, torch.Tensor]]:
+    """Each parameter of ``model`` by name: the object itself and a copy of its values."""
+    return {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+
+
+def assert_not_offloaded(model: nn.Module, before: dict[str, tuple[nn.Parameter, torch.Tensor]]) -> None:
+    """``model`` is not offloaded (not even half) and holds the parameters ``before`` names, unchanged."""
+    try:
+        fxoffload_hf.engine_of(model)
+    except ValueError:
+        pass  # the public answer for a model that is not offloaded
+    else:
+        pytest.fail("the model was left half-offloaded")
+    for name, param in model.named_parameters():
+        original, values = before[name]
+        assert param is original, f"{name} was replaced"
+        assert torch.equal(param, values), f"{name} changed"
+
+
 # -- fixtures ---------------------------------------------------------------------------------------
 # Each helper fixture hands out the function above (session scope: module- and session-scoped fixtures
 # can use them too). The fixtures are registered under the helpers' names; the module attributes of
@@ -163,6 +191,58 @@ def checkpoint_config_fixture() -> Callable[[str], object]:
 def save_checkpoint_fixture() -> Callable[[str, Path], nn.Module]:
     """``save_checkpoint(arch, folder)``: save a sharded tiny checkpoint and return its eager model."""
     return save_checkpoint
+
+
+@pytest.fixture(name="logits", scope="session")
+def logits_fixture() -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """``logits(model, ids)``: a causal LM's logits for ``ids``, computed without autograd."""
+    return causal_logits
+
+
+@pytest.fixture(name="snapshot_params", scope="session")
+def snapshot_params_fixture() -> Callable[[nn.Module], dict[str, tuple[nn.Parameter, torch.Tensor]]]:
+    """``snapshot_params(model)``: each parameter by name, the object and a copy of its values."""
+    return snapshot_params
+
+
+@pytest.fixture(name="assert_not_offloaded", scope="session")
+def assert_not_offloaded_fixture() -> Callable[[nn.Module, dict], None]:
+    """``assert_not_offloaded(model, before)``: not offloaded, the parameters of ``before`` unchanged."""
+    return assert_not_offloaded
+
+
+@pytest.fixture(scope="session")
+def prompt_ids() -> torch.Tensor:
+    """A seeded (1, 10) batch of token ids for the tiny causal LMs (a vocabulary of 1000)."""
+    return torch.randint(0, 1000, (1, 10), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture
+def mlp(build_model) -> Callable[..., nn.Module]:
+    """``mlp(width=256, depth=6)``: a seeded MLP in eval mode."""
+
+    def make(width: int = 256, depth: int = 6) -> nn.Module:
+        return build_model("mlp", width=width, depth=depth)
+
+    return make
+
+
+@pytest.fixture
+def mlp_case(mlp) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The default MLP, a batch of input and the MLP's output for it (before any offload)."""
+    model = mlp()
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(x)
+    return model, x, expected
+
+
+@pytest.fixture
+def small_llama(build_model, example_input) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A two-layer tiny Llama, its example input and its logits for it (before any offload)."""
+    model = build_model("llama", num_hidden_layers=2)
+    x = example_input("llama")
+    return model, x, causal_logits(model, x)
 
 
 @pytest.fixture(scope="session")

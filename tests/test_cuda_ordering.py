@@ -213,7 +213,7 @@ def captured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Captured]:
     assert {way_of(r, "cuda") for r in store.records.values()} == {Way.COPIED, Way.STAGED}
     assert program.pieces >= 4
     yield Captured(compiled, x, expected, store, program, graph, facts.activation_bytes, memory, run)
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
 
 def run_offloaded(

@@ -17,7 +17,7 @@ from fxoffload_hf.eager_fallback import EagerFallbackWarning
 class Uncapturable(nn.Linear):
     """A projection dynamo never captures (as with a graph break it cannot trace past)."""
 
-    @torch._dynamo.disable
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight, self.bias).relu()
 

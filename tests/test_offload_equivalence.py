@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from dataclasses import replace
 
 import pytest
 import torch
-from conftest import build_model, example_input, weight_bytes
 
 import fxoffload_hf
 from fxoffload_hf.loaders import InlineReader, LoadSpec
@@ -28,12 +26,12 @@ def _tier_budget(kind: str, tier: str, total: int) -> dict:
     # small enough for at least 4 pieces; the disk tier keeps well under the model in RAM
     if tier == "host":
         return {"gpu_memory": int(total * 0.5), "device": "cpu"}
-    return {"cpu_memory": int(total * 0.6), "device": "cpu", "policy": "sequential"}
+    return {"cpu_memory": int(total * 0.5), "device": "cpu", "policy": "sequential"}
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_offloaded_forward_equals_eager(kind, tier, tmp_path):
+def test_offloaded_forward_equals_eager(kind, tier, tmp_path, build_model, example_input, weight_bytes):
     model = build_model(kind)
     x = example_input(kind)
     with torch.no_grad():
@@ -56,7 +54,7 @@ def test_offloaded_forward_equals_eager(kind, tier, tmp_path):
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_greedy_generate_gives_eager_tokens(kind, tier, tmp_path):
+def test_greedy_generate_gives_eager_tokens(kind, tier, tmp_path, build_model, example_input, weight_bytes):
     model = build_model(kind)
     ids = example_input(kind)[:1]
     mask = torch.ones_like(ids)
@@ -75,7 +73,7 @@ def test_greedy_generate_gives_eager_tokens(kind, tier, tmp_path):
         fxoffload_hf.restore(model)
 
 
-def test_restore_puts_back_parameters_and_forward(tmp_path):
+def test_restore_puts_back_parameters_and_forward(tmp_path, build_model, example_input, weight_bytes):
     model = build_model("llama")
     before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
     had_forward = "forward" in model.__dict__
@@ -93,7 +91,7 @@ def test_restore_puts_back_parameters_and_forward(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_tied_weights_are_stored_once():
+def test_tied_weights_are_stored_once(build_model, example_input, weight_bytes):
     model = build_model("llama", tie_word_embeddings=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     x = example_input("llama")
@@ -113,7 +111,7 @@ def test_tied_weights_are_stored_once():
         fxoffload_hf.restore(model)
 
 
-def test_calling_an_offloaded_submodule_directly_gives_the_eager_result():
+def test_calling_an_offloaded_submodule_directly_gives_the_eager_result(build_model, weight_bytes):
     model = build_model("llama")
     eager = build_model("llama")
     fxoffload_hf.offload(model, gpu_memory=int(weight_bytes(model) * 0.6), device="cpu")
@@ -151,16 +149,16 @@ def test_graph_breaks_are_offloaded_too():
         fxoffload_hf.restore(model)
 
 
-def test_budget_too_small_names_the_weight_and_the_smallest_budget():
+def test_budget_too_small_names_the_weight_and_the_smallest_budget(build_model):
     model = build_model("llama")
     with pytest.raises(ValueError, match=r"too small.*pass gpu_memory=\d+"):
         fxoffload_hf.offload(model, gpu_memory=200_000, device="cpu")
-    # nothing half-offloaded
-    assert not hasattr(model, "_fxoffload_state")
+    with pytest.raises(ValueError, match="not offloaded"):  # nothing half-offloaded
+        fxoffload_hf.engine_of(model)
     assert all(p.stride()[-1] == 1 and not p.isnan().any() for p in model.parameters())
 
 
-def test_wrong_device_is_refused():
+def test_wrong_device_is_refused(build_model):
     model = build_model("mlp")
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
@@ -168,7 +166,7 @@ def test_wrong_device_is_refused():
         fxoffload_hf.offload(model, device="cuda")
 
 
-def test_model_to_dtype_after_offload_converts_the_stored_weights(tmp_path):
+def test_model_to_dtype_after_offload_converts_the_stored_weights(build_model, example_input, weight_bytes):
     eager = build_model("llama")
     model = build_model("llama")
     x = example_input("llama")
@@ -184,7 +182,7 @@ def test_model_to_dtype_after_offload_converts_the_stored_weights(tmp_path):
     assert model.lm_head.weight.dtype == torch.bfloat16
 
 
-def test_moving_an_offloaded_model_to_another_device_is_refused():
+def test_moving_an_offloaded_model_to_another_device_is_refused(build_model):
     model = build_model("mlp")
     fxoffload_hf.offload(model, gpu_memory=700_000, device="cpu")
     try:
@@ -196,8 +194,8 @@ def test_moving_an_offloaded_model_to_another_device_is_refused():
         fxoffload_hf.restore(model)
 
 
-@contextlib.contextmanager
-def _profiled_llama_on_disk(tmp_path):
+@pytest.fixture
+def profiled_llama_on_disk(tmp_path, build_model, example_input, weight_bytes):
     """A tiny Llama offloaded to the disk tier after its profiled call: (model, input, eager output)."""
     model = build_model("llama")
     x = example_input("llama")
@@ -250,8 +248,9 @@ def _run_with_spies(model, x, schedule):
 
 
 @pytest.mark.parametrize("distance", [1, 3])
-def test_loading_several_pieces_ahead_keeps_eager_results(distance, tmp_path):
-    with _profiled_llama_on_disk(tmp_path) as (model, x, expected), torch.no_grad():
+def test_loading_several_pieces_ahead_keeps_eager_results(distance, profiled_llama_on_disk):
+    model, x, expected = profiled_llama_on_disk
+    with torch.no_grad():
         engine = fxoffload_hf.engine_of(model)
         piece_names = engine.runners[0].program.piece_names
         piece_of = {frozenset(names): i for i, names in enumerate(piece_names)}
@@ -269,8 +268,9 @@ def test_loading_several_pieces_ahead_keeps_eager_results(distance, tmp_path):
                 assert loads_before == min(piece_of[names] + 1 + distance, pieces), (names, events)
 
 
-def test_inline_loads_bring_consecutive_pieces_in_together_within_the_room(tmp_path):
-    with _profiled_llama_on_disk(tmp_path) as (model, x, expected), torch.no_grad():
+def test_inline_loads_bring_consecutive_pieces_in_together_within_the_room(profiled_llama_on_disk):
+    model, x, expected = profiled_llama_on_disk
+    with torch.no_grad():
         engine = fxoffload_hf.engine_of(model)
         inline = engine.plan.graphs[0].inline
         assert engine.loader.arena.capacity == 0 and inline is not None
@@ -290,6 +290,7 @@ def test_inline_loads_bring_consecutive_pieces_in_together_within_the_room(tmp_p
                 group |= pieces[covered]
                 covered += 1
             assert group == names, "a load is not a run of whole consecutive pieces"
-            streamed = sum(records[n].nbytes for n in names if records[n].resident is None)
-            assert streamed <= engine.plan.in_flight_bytes
+            # the embedding table is read by rows from its mapped pages: it is never in flight whole
+            whole = [n for n in names if records[n].resident is None and n != "model.embed_tokens.weight"]
+            assert sum(records[n].nbytes for n in whole) <= engine.plan.in_flight_bytes
         assert covered == len(pieces)
