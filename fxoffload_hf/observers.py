@@ -20,6 +20,7 @@ class TraceEvent:
     call: int
     streamed_bytes: int
     timing: PieceTiming
+    alone: bool = False  # its load waited for the piece before it: a copy not hidden by design
 
 
 def _timing(piece: int, loaded: Loaded, fresh: bool, start: float) -> PieceTiming:
@@ -64,4 +65,6 @@ class TraceRecorder:
     def piece_ran(self, runner: GraphRunner, piece: int, loaded: Loaded, fresh: bool, start: float) -> None:
         streamed = loaded.streamed_bytes if fresh else 0
         timing = _timing(piece, loaded, fresh, start)
-        self.events.append(TraceEvent(runner.index, self.calls(), streamed, timing))
+        cuts = runner.schedule.cuts
+        alone = fresh and piece < len(cuts) and cuts[piece]
+        self.events.append(TraceEvent(runner.index, self.calls(), streamed, timing, alone))

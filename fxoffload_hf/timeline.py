@@ -32,8 +32,10 @@ def chrome_trace(events: list[TraceEvent]) -> dict[str, Any]:
     for event in events:
         t = event.timing
         args = {"graph": event.graph, "call": event.call, "piece": t.piece, "bytes": event.streamed_bytes}
+        args["alone"] = event.alone
+        copy_name = f"copy {t.piece} (alone: too large to overlap)" if event.alone else f"copy {t.piece}"
         for track, name, start, end in (
-            (1, f"copy {t.piece}", t.copy_start, t.copy_end),
+            (1, copy_name, t.copy_start, t.copy_end),
             (2, f"compute {t.piece}", t.compute_start, t.compute_end),
         ):
             if track == 1 and not event.streamed_bytes:
@@ -79,7 +81,7 @@ def plot_timeline(events: list[TraceEvent], path: str | Path, title: str = "fxof
                     1,
                     (t.copy_end - t.copy_start) * 1e3,
                     left=(t.copy_start - origin) * 1e3,
-                    color="tab:orange",
+                    color="tab:red" if event.alone else "tab:orange",  # red: streamed alone, not hidden
                 )
             ax.barh(
                 0,

@@ -10,6 +10,7 @@ import torch
 
 import fxoffload_hf
 from fxoffload_hf.safetensors_io import CheckpointError
+from fxoffload_hf.timeline import chrome_trace, record_timeline
 
 IDS = torch.randint(0, 1000, (1, 10), generator=torch.Generator().manual_seed(3))
 
@@ -205,5 +206,11 @@ def test_a_vocabulary_larger_than_half_the_budget_streams_alone_and_exactly(tmp_
             assert torch.equal(model.generate(ids, **options), eager.generate(ids, **options))
         runners = fxoffload_hf.engine_of(model).runners
         assert any(any(r.schedule.cuts) for r in runners)  # lm_head waits for the piece before it
+        with record_timeline(model) as events, torch.no_grad():
+            model(ids, attention_mask=mask)
+        alone = [e for e in events if e.alone]
+        assert alone and all(e.streamed_bytes >= table for e in alone)  # lm_head, shown as streamed alone
+        names = [e["name"] for e in chrome_trace(events)["traceEvents"]]
+        assert any(name.endswith("(alone: too large to overlap)") for name in names)
     finally:
         fxoffload_hf.restore(model)
