@@ -20,10 +20,16 @@ def main() -> None:
     parser.add_argument("--llama-70b", action="store_true", help="plan a Llama-70B-shaped model instead")
     parser.add_argument("--gpu-memory", default=None)
     parser.add_argument("--cpu-memory", default=None)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="plan for this device")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    budgets = {"gpu_memory": args.gpu_memory, "cpu_memory": args.cpu_memory, "seq_len": args.seq_len}
+    budgets = {
+        "gpu_memory": args.gpu_memory,
+        "cpu_memory": args.cpu_memory,
+        "seq_len": args.seq_len,
+        "device": args.device,
+    }
     if args.llama_70b:
         import transformers
 

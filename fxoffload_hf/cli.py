@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fxoffload_hf.tradeoff import Bandwidths
+
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
@@ -136,12 +138,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from fxoffload_hf.plan import plan_checkpoint
 
+    bandwidths = Bandwidths(
+        disk=args.disk_gbps * 1e9,
+        link=args.link_gbps * 1e9,
+        cpu_memory=args.cpu_bw_gbps * 1e9,
+        gpu_memory=args.gpu_bw_gbps * 1e9,
+    )
     report = plan_checkpoint(
         args.model_dir,
         gpu_memory=args.gpu_memory,
         cpu_memory=args.cpu_memory,
+        device=args.device,
         batch=args.batch,
         seq_len=args.seq_len,
+        bandwidths=bandwidths,
     )
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
     return EXIT_BAD_INPUT if report.error else EXIT_OK
@@ -216,13 +226,38 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=16)
     demo.set_defaults(func=cmd_demo)
 
-    plan = sub.add_parser("plan", help="print the offload plan of a checkpoint without running it")
-    plan.add_argument("model_dir")
-    plan.add_argument("--gpu-memory", default=None)
-    plan.add_argument("--cpu-memory", default=None)
-    plan.add_argument("--batch", type=int, default=1)
-    plan.add_argument("--seq-len", type=int, default=128)
-    plan.add_argument("--json", action="store_true")
+    plan = sub.add_parser(
+        "plan",
+        help="print the offload plan of a checkpoint without running it: pieces, the smallest budget and "
+        "what sets it, predicted decode speed at budgets from there to all resident",
+    )
+    plan.add_argument("model_dir", help="checkpoint folder (only its config.json is read)")
+    plan.add_argument(
+        "--gpu-memory", default=None, help="GPU budget: bytes, a size ('24GiB') or a share ('80%%')"
+    )
+    plan.add_argument("--cpu-memory", default=None, help="host memory for weights: bytes, a size or a share")
+    plan.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="plan for this device (cuda works without a GPU)",
+    )
+    plan.add_argument("--batch", type=int, default=1, help="sequences per forward (default 1)")
+    plan.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    defaults = Bandwidths()
+    for name, default, what in (
+        ("disk", defaults.disk, "disk reads"),
+        ("link", defaults.link, "host-to-GPU copies"),
+        ("cpu-bw", defaults.cpu_memory, "the CPU reading the weights it computes with"),
+        ("gpu-bw", defaults.gpu_memory, "the GPU reading the weights it computes with"),
+    ):
+        plan.add_argument(
+            f"--{name}-gbps",
+            type=float,
+            default=default / 1e9,
+            help=f"GB/s of {what}, for the predicted speed (default {default / 1e9:g}, assumed)",
+        )
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=cmd_plan)
 
     gen = sub.add_parser("generate", help="generate text from a local checkpoint, streaming tokens")

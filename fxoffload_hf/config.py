@@ -27,6 +27,7 @@ _BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*|%)\s*$")
 POLICIES = ("auto", "sequential")
 DEFAULT_GPU_SHARE = 0.9
 COMPILE_BACKENDS = (None, "inductor", "tensorrt")
+RESIDENT_THRESHOLD = 64 * 1024  # parameters smaller than this stay where the model computes
 
 BudgetSpec = int | float | str | None
 
@@ -122,7 +123,7 @@ class OffloadConfig:
     offload_folder: Path | None = None
     policy: str = "auto"
     compile: str | None = None
-    resident_threshold: int = 64 * 1024
+    resident_threshold: int = RESIDENT_THRESHOLD
     profile_calls: int = 1
 
     @classmethod

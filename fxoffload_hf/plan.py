@@ -5,15 +5,16 @@ Shapes propagate through meta tensors, so nothing is allocated and no real compu
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import fx
 
-from fxoffload_hf.config import BudgetSpec, OffloadConfig
-from fxoffload_hf.graphs import activation_peak
+from fxoffload_hf.config import DEFAULT_GPU_SHARE, RESIDENT_THRESHOLD, BudgetSpec, parse_budget
+from fxoffload_hf.graphs import activation_peak, only_row_lookups
+from fxoffload_hf.memory import free_device_memory, free_host_memory
 from fxoffload_hf.memory_model import (
     BudgetTooSmallError,
     MemoryModel,
@@ -24,6 +25,7 @@ from fxoffload_hf.memory_model import (
     window_bytes,
 )
 from fxoffload_hf.planner import partition_for_budget
+from fxoffload_hf.tradeoff import Bandwidths, Estimate, budgets_between, estimate
 
 
 @dataclass
@@ -40,10 +42,15 @@ class PlanReport:
     arena_bytes: int
     resident_bytes_max: int
     smallest_budget: int
+    floor_set_by: str = ""
+    device: str = "cpu"
+    tradeoff: list[Estimate] = field(default_factory=list)
     error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["tradeoff"] = [asdict(e) | {"tokens_per_second": e.tokens_per_second} for e in self.tradeoff]
+        return out
 
     def table(self) -> str:
         lines = [
@@ -52,7 +59,7 @@ class PlanReport:
             f"small resident     {format_bytes(self.resident_small_bytes)} (buffers and small parameters)",
             f"activation peak    {format_bytes(self.activation_bytes)} (estimated)",
             f"budget             {self.budget_name}={format_bytes(self.budget)}",
-            f"smallest budget    {format_bytes(self.smallest_budget)}",
+            f"smallest budget    {format_bytes(self.smallest_budget)} (set by {self.floor_set_by})",
         ]
         if self.error:
             lines.append(f"cannot run         {self.error}")
@@ -63,7 +70,22 @@ class PlanReport:
             f"staging arena      {format_bytes(self.arena_bytes)} (two consecutive pieces in flight, or one too large to pair)",
             f"resident at most   {format_bytes(self.resident_bytes_max)} (kept in memory, the rest streams)",
         ]
-        return "\n".join(lines)
+        return "\n".join(lines + self._tradeoff_lines())
+
+    def _tradeoff_lines(self) -> list[str]:
+        if not self.tradeoff:
+            return []
+        lines = [
+            "",
+            f"decode speed by {self.budget_name} on {self.device} (predicted from sizes and assumed bandwidths)",
+            f"{'budget':>12} {'resident':>12} {'from host':>12} {'from disk':>12} {'tokens/s':>10}",
+        ]
+        for e in self.tradeoff:
+            lines.append(
+                f"{format_bytes(e.budget):>12} {format_bytes(e.resident):>12} {format_bytes(e.from_host):>12} "
+                f"{format_bytes(e.from_disk):>12} {e.tokens_per_second:>10.2f}"
+            )
+        return lines
 
 
 def capture_on_meta(model: torch.nn.Module, *inputs: Any) -> tuple[fx.GraphModule, list[Any]]:
@@ -90,6 +112,7 @@ def plan_checkpoint(
     device: str | None = "cpu",
     batch: int = 1,
     seq_len: int = 128,
+    bandwidths: Bandwidths | None = None,
 ) -> PlanReport:
     """Plan the model of a checkpoint folder (only its config.json is read)."""
     import transformers as tf
@@ -98,7 +121,13 @@ def plan_checkpoint(
 
     config = tf.AutoConfig.from_pretrained(resolve_checkpoint_folder(folder))
     return plan_config(
-        config, gpu_memory=gpu_memory, cpu_memory=cpu_memory, device=device, batch=batch, seq_len=seq_len
+        config,
+        gpu_memory=gpu_memory,
+        cpu_memory=cpu_memory,
+        device=device,
+        batch=batch,
+        seq_len=seq_len,
+        bandwidths=bandwidths,
     )
 
 
@@ -110,30 +139,40 @@ def plan_config(
     device: str | None = "cpu",
     batch: int = 1,
     seq_len: int = 128,
+    bandwidths: Bandwidths | None = None,
 ) -> PlanReport:
-    """Plan a transformers config built on the meta device, for a forward of ``batch`` x ``seq_len``."""
+    """Plan a transformers config built on the meta device, for a forward of ``batch`` x ``seq_len``.
+
+    ``device="cuda"`` plans for a GPU even on a machine without one (budgets must then be sizes, not
+    shares of free memory). On the CPU, an embedding table read by rows from its file does not count whole.
+    """
     import transformers as tf
 
+    device_type = _device_type(device)
+    gpu_budget, cpu_budget = _budgets(device_type, gpu_memory, cpu_memory)
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(config).eval()
-    settings = OffloadConfig.build(gpu_memory=gpu_memory, cpu_memory=cpu_memory, device=device)
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
     gm, example_inputs = capture_on_meta(model, ids)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     weights: dict[fx.Node, int] = {}
+    labels: dict[fx.Node, str] = {}
     small = 0
     for node, value in zip(placeholders, example_inputs, strict=False):
         if not isinstance(value, torch.Tensor):
             continue
         size = nbytes(value.shape, value.element_size())
-        if isinstance(value, torch.nn.Parameter) and size >= settings.resident_threshold:
+        if isinstance(value, torch.nn.Parameter) and size >= RESIDENT_THRESHOLD:
             weights[node] = size
+            labels[node] = names.get(id(value), node.name)
         else:
             small += size
     activations = activation_peak(gm.graph, set(weights))
-    memory = MemoryModel.where_it_computes(
-        settings.device.type, settings.gpu_memory, settings.cpu_memory, small
-    )
+    # on the CPU a table used only for lookups is read by rows from its mapped file
+    sizes = {w: 0 if device_type == "cpu" and only_row_lookups(w) else b for w, b in weights.items()}
+    memory = MemoryModel.where_it_computes(device_type, gpu_budget, cpu_budget, small)
+    heaviest = max(sizes, key=lambda w: sizes[w], default=None)
     report = PlanReport(
         model=type(model).__name__,
         weight_bytes=sum(weights.values()),
@@ -144,17 +183,74 @@ def plan_config(
         pieces=[],
         arena_bytes=0,
         resident_bytes_max=0,
-        smallest_budget=memory.smallest_budget(max(weights.values(), default=0), activations),
+        smallest_budget=memory.smallest_budget(sizes[heaviest] if heaviest else 0, activations),
+        floor_set_by=_floor_reason(heaviest, sizes, labels, activations, small),
+        device=device_type,
     )
+    full = report.weight_bytes + small + activations
+    largest = sizes[heaviest] if heaviest else 0
+    report.tradeoff = [
+        estimate(
+            b,
+            weights=report.weight_bytes,
+            fixed=small,
+            activations=activations,
+            in_flight=min(2 * largest, report.weight_bytes),
+            device_type=device_type,
+            host_budget=cpu_budget if device_type == "cuda" else None,
+            bandwidths=bandwidths or Bandwidths(),
+        )
+        for b in budgets_between(report.smallest_budget, full)
+    ]
     try:
-        partition = partition_for_budget(gm.graph, weights, activations, memory, settings.policy)
+        partition = partition_for_budget(gm.graph, sizes, activations, memory, "auto", labels)
     except BudgetTooSmallError as exc:
         report.error = str(exc)
         report.smallest_budget = exc.smallest_budget
         return report
     report.pieces = [p.weight_bytes for p in partition.pieces]
-    sizes = [piece_bytes(weights[w] for w in p.weights) for p in partition.pieces]
+    piece_sizes = [piece_bytes(sizes[w] for w in p.weights) for p in partition.pieces]
     room = memory.room(activations)
-    report.arena_bytes = window_bytes(sizes, 2, cuts_for(sizes, room))  # a piece too large to pair runs alone
+    # a piece too large to pair with its neighbour streams alone
+    report.arena_bytes = window_bytes(piece_sizes, 2, cuts_for(piece_sizes, room))
     report.resident_bytes_max = report.weight_bytes if room is None else max(room - report.arena_bytes, 0)
     return report
+
+
+def _device_type(device: str | None) -> str:
+    try:
+        kind = torch.device(device or "cpu").type
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: cannot read {device!r}; plan for 'cpu' or 'cuda'") from None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device: {kind!r} is not supported; plan for 'cpu' or 'cuda'")
+    return kind
+
+
+def _budgets(
+    device_type: str, gpu_memory: BudgetSpec, cpu_memory: BudgetSpec
+) -> tuple[int | None, int | None]:
+    """The budgets in bytes; a GPU this machine does not have has no free memory to take a share of."""
+    gpu_free = None
+    if device_type == "cuda" and torch.cuda.is_available():
+        gpu_free = free_device_memory(torch.device("cuda", torch.cuda.current_device()))
+    elif device_type == "cpu":
+        gpu_free = free_host_memory()
+    gpu = parse_budget(gpu_memory, free_bytes=gpu_free, what="gpu_memory")
+    if gpu is None and device_type == "cuda" and gpu_free is not None:
+        gpu = int(gpu_free * DEFAULT_GPU_SHARE)  # what offload() would take
+    return gpu, parse_budget(cpu_memory, free_bytes=free_host_memory(), what="cpu_memory")
+
+
+def _floor_reason(
+    heaviest: fx.Node | None,
+    sizes: dict[fx.Node, int],
+    labels: dict[fx.Node, str],
+    activations: int,
+    small: int,
+) -> str:
+    """What sets the smallest budget: the largest weight streamed alone, the activations, small tensors."""
+    what = (
+        f"{labels[heaviest]} ({format_bytes(sizes[heaviest])}) streamed alone" if heaviest else "no weights"
+    )
+    return f"{what} + {format_bytes(activations)} of activations + {format_bytes(small)} of small tensors"

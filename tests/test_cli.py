@@ -48,6 +48,23 @@ def test_plan_prints_a_table_and_json(checkpoint):
     assert len(report["pieces"]) >= 2 and report["smallest_budget"] <= 2_500_000
 
 
+def test_plan_for_a_gpu_on_a_machine_without_one_shows_the_floor_and_the_tradeoff(checkpoint):
+    done = run(
+        "plan", str(checkpoint), "--device", "cuda", "--gpu-memory", "3MB", "--disk-gbps", "1", "--json"
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["device"] == "cuda" and report["budget_name"] == "gpu_memory"
+    assert "streamed alone" in report["floor_set_by"] and ".weight" in report["floor_set_by"]
+    speeds = [row["tokens_per_second"] for row in report["tradeoff"]]
+    budgets = [row["budget"] for row in report["tradeoff"]]
+    assert budgets[0] == report["smallest_budget"] and budgets == sorted(budgets) and len(budgets) >= 3
+    assert speeds == sorted(speeds) and speeds[-1] > speeds[0]  # more budget, fewer bytes streamed
+    assert report["tradeoff"][-1]["resident"] == report["weight_bytes"]
+    table = run("plan", str(checkpoint), "--device", "cuda", "--gpu-memory", "3MB").stdout
+    assert "tokens/s" in table and "set by" in table
+
+
 def test_plan_with_a_budget_too_small_exits_2_and_names_the_smallest(checkpoint):
     done = run("plan", str(checkpoint), "--cpu-memory", "100000")
     assert done.returncode == 2
@@ -109,7 +126,7 @@ def test_demo_runs_on_a_small_checkpoint(tmp_path):
     assert _bytes(budget) == pytest.approx(0.25 * _bytes(size), rel=0.01)
     # the plan runs under the demo's budget, in several pieces
     assert _line(out, rf"budget +cpu_memory=({_SIZE})").group(1) == budget
-    assert _bytes(_line(out, rf"smallest budget +({_SIZE})").group(1)) <= _bytes(budget)
+    assert _bytes(_line(out, rf"smallest budget +({_SIZE}) \(set by .+\)").group(1)) <= _bytes(budget)
     assert int(_line(out, r"pieces +(\d+) \(weights per piece .+\)").group(1)) >= 2
     # both runs decoded and were measured
     header = _line(out, r" +eager \(all in RAM\) +fxoffload")
