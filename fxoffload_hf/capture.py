@@ -106,14 +106,20 @@ def compile_entry(fn: Callable[..., Any], backend: Callable[..., Any]) -> Callab
     lengths reuse the graphs already captured instead of recompiling one by one. A size of 1 is still
     specialised by dynamo: one sequence and a batch of them, a prompt and a decode step of one token,
     are captured apart, as are calls with and without a mask or position ids: a few of each combination,
-    hence a recompile limit above dynamo's default of 8.
+    hence a recompile limit above dynamo's default of 8. Data-dependent ops (``nonzero``, ``.item()`` in
+    mixture-of-experts routing) are captured rather than breaking the graph, so such a model is a few
+    graphs, not one per layer.
     """
     compiled = torch.compile(fn, backend=backend, dynamic=True, fullgraph=False)
     canonical = canonical_call(fn)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = canonical(args, kwargs)
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        with torch._dynamo.config.patch(
+            recompile_limit=RECOMPILE_LIMIT,
+            capture_dynamic_output_shape_ops=True,
+            capture_scalar_outputs=True,
+        ):
             return compiled(*args, **kwargs)
 
     return run
