@@ -158,5 +158,6 @@ def _cgroup_file(v1_name: str, v2_name: str) -> str | None:
         else:
             continue
         if os.path.exists(candidate):
-            return open(candidate).read().strip()
+            with open(candidate) as file:
+                return file.read().strip()
     return None
