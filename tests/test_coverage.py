@@ -1,0 +1,84 @@
+"""A fast subset of the coverage sweep (``benchmarks/coverage.py``) across families: each type built
+tiny from its own config class, saved, loaded with ``from_pretrained(offload="fx")`` under a budget that
+splits it and leaves weights on disk, and compared bit for bit with Hugging Face's own eager load."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fxoffload_hf
+from fxoffload_hf.weights import Tier
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from coverage_child import AUTO_CLASSES, build, generates, greedy, make_inputs, output_of  # noqa: E402
+
+FAMILIES = {
+    "dense": [
+        "llama", "gpt2", "gemma2", "cohere2", "falcon", "bloom", "gpt_neox", "gptj", "olmo2", "mpt",
+        "codegen", "biogpt", "glm4", "granite", "internlm3",
+    ],
+    "mixture of experts": ["mixtral", "olmoe", "deepseek_v3", "granitemoe", "glm4_moe", "gpt_oss", "minimax"],
+    "state space": ["mamba", "falcon_mamba"],
+    "hybrid": ["jamba", "lfm2", "nemotron_h"],
+    "encoder as decoder": ["bert"],
+    "multimodal text tower": ["gemma3_text", "llama4_text", "aria_text"],
+}  # fmt: skip
+CASES = [("causal", t) for types in FAMILIES.values() for t in types]
+CASES += [("seq2seq", "t5"), ("seq2seq", "bart"), ("base", "bert"), ("base", "gpt2"), ("base", "t5")]
+
+
+def _load(folder: Path, auto, inputs: dict, budget: int):
+    """The offloaded model and its first output; a refusal is followed to the budget it names (once at
+    load, from the weights alone, once at the first call, with the activations)."""
+    for _hop in range(3):
+        model = None
+        try:
+            model = fxoffload_hf.from_pretrained(
+                folder, offload="fx", cpu_memory=budget, device="cpu", auto_class=auto
+            )
+            with torch.no_grad():
+                return model, output_of(model(**inputs))
+        except fxoffload_hf.BudgetTooSmallError as exc:
+            if model is not None:
+                fxoffload_hf.restore(model)
+            assert exc.smallest_budget > budget
+            budget = exc.smallest_budget
+    raise AssertionError(f"no working budget from {budget}")
+
+
+@pytest.mark.parametrize(("mapping", "type_name"), CASES, ids=[f"{m}-{t}" for m, t in CASES])
+def test_type_runs_offloaded_exactly_as_eager(mapping, type_name, tmp_path):
+    import transformers
+
+    auto = getattr(transformers, AUTO_CLASSES[mapping])
+    built, config = build(type_name, mapping, auto, {})
+    inputs = make_inputs(config)
+    weights = sum(p.numel() * p.element_size() for p in built.parameters())
+    largest = max(p.numel() * p.element_size() for p in built.parameters())
+    built.save_pretrained(tmp_path, max_shard_size=max(weights // 4, largest + 1))
+    reference = auto.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = output_of(reference(**inputs))
+        tokens = greedy(reference, inputs) if generates(reference) else None
+    del built, reference
+    model, first = _load(tmp_path, auto, inputs, budget=int(weights * 0.3))
+    try:
+        with torch.no_grad():
+            assert torch.equal(first, expected)
+            assert torch.equal(output_of(model(**inputs)), expected)
+            if tokens is not None:
+                assert torch.equal(greedy(model, inputs), tokens)
+        engine = fxoffload_hf.engine_of(model)
+        assert max(r.program.pieces for r in engine.runners) >= 2
+        assert engine.store.bytes_in(Tier.DISK) > 0
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_the_subset_spans_at_least_thirty_types_across_families():
+    assert len({t for _, t in CASES}) >= 30 and len(FAMILIES) >= 6
