@@ -106,20 +106,16 @@ def compile_entry(fn: Callable[..., Any], backend: Callable[..., Any]) -> Callab
     lengths reuse the graphs already captured instead of recompiling one by one. A size of 1 is still
     specialised by dynamo: one sequence and a batch of them, a prompt and a decode step of one token,
     are captured apart, as are calls with and without a mask or position ids: a few of each combination,
-    hence a recompile limit above dynamo's default of 8. Data-dependent ops (``nonzero``, ``.item()`` in
-    mixture-of-experts routing) are captured rather than breaking the graph, so such a model is a few
-    graphs, not one per layer.
+    hence a recompile limit above dynamo's default of 8. Data-dependent ops (``.item()`` in mixture-of-experts
+    routing) still break the graph: capturing them (``capture_scalar_outputs``) makes LED fail in
+    dynamo (a pending unbacked symbol).
     """
     compiled = torch.compile(fn, backend=backend, dynamic=True, fullgraph=False)
     canonical = canonical_call(fn)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = canonical(args, kwargs)
-        with torch._dynamo.config.patch(
-            recompile_limit=RECOMPILE_LIMIT,
-            capture_dynamic_output_shape_ops=True,
-            capture_scalar_outputs=True,
-        ):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             return compiled(*args, **kwargs)
 
     return run
@@ -128,9 +124,12 @@ def compile_entry(fn: Callable[..., Any], backend: Callable[..., Any]) -> Callab
 def canonical_call(
     fn: Callable[..., Any],
 ) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]:
-    """A function that writes any call of ``fn`` one way: every named parameter given, by position where
-    it may be, defaults filled in. Positional and keyword forms of one call then share a graph, even when
-    a decorator (``*args, **kwargs``) stands between the caller and the real signature."""
+    """A function that writes any call of ``fn`` one way: every argument that has a name by its name
+    (only positional-only and ``*args`` ones by position). Positional and keyword forms of one call then
+    share a graph, even when a decorator (``*args, **kwargs``) stands between the caller and the real
+    signature; decorators that look arguments up by name (Transformers fills ``use_cache`` from the
+    config when it is not passed by name) see them as the caller meant. Defaults are not filled in: a
+    decorator may tell an argument left out from one passed as its default."""
     try:
         signature = inspect.signature(fn)  # follows __wrapped__ to the decorated forward
     except (TypeError, ValueError):
@@ -141,7 +140,18 @@ def canonical_call(
             bound = signature.bind(*args, **kwargs)
         except TypeError:
             return args, kwargs  # let the call itself raise its own error
-        bound.apply_defaults()
-        return bound.args, bound.kwargs
+        positional: list[Any] = []
+        named: dict[str, Any] = {}
+        for name, value in bound.arguments.items():
+            kind = signature.parameters[name].kind
+            if kind is inspect.Parameter.POSITIONAL_ONLY:
+                positional.append(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                positional.extend(value)
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                named.update(value)
+            else:
+                named[name] = value
+        return tuple(positional), named
 
     return canonical
