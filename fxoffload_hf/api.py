@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,87 +30,20 @@ from fxoffload_hf.engine import Engine
 from fxoffload_hf.memory import memory_limit, tensor_nbytes
 from fxoffload_hf.memory_model import MemoryModel
 from fxoffload_hf.safetensors_io import CheckpointError, TensorSlice
+from fxoffload_hf.undo import (
+    AttachedHook,
+    MovedBuffer,
+    OwnedFolder,
+    PatchedAttribute,
+    StoredParameter,
+    SwappedParameter,
+    Undo,
+)
 from fxoffload_hf.weights import WeightStore
 
 STATE_ATTR = "_fxoffload_state"
 
 Uses = list[tuple[nn.Module, str, str]]  # every (module, attribute, dotted name) holding one parameter
-
-
-class Undo(Protocol):
-    def undo(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class SwappedParameter:
-    """A parameter slot given another tensor (a ghost, or a small weight moved to the device)."""
-
-    module: nn.Module
-    attr: str
-    original: nn.Parameter
-
-    def undo(self) -> None:
-        self.module._parameters[self.attr] = self.original
-
-
-@dataclass(frozen=True)
-class StoredParameter:
-    """An offloaded parameter whose values the store holds (the only copy): they are given back to it."""
-
-    original: nn.Parameter
-    store: WeightStore
-    name: str
-
-    def undo(self) -> None:
-        record = self.store.records.get(self.name)
-        if record is not None and record.host is not None:
-            self.original.data = record.host  # the same tensor, unless model.to(dtype) converted it
-        elif record is not None and self.original.device.type != "meta":
-            self.original.data = self.store.read(record).clone()
-
-
-@dataclass(frozen=True)
-class MovedBuffer:
-    module: nn.Module
-    attr: str
-    original: torch.Tensor
-
-    def undo(self) -> None:
-        self.module._buffers[self.attr] = self.original
-
-
-@dataclass(frozen=True)
-class PatchedAttribute:
-    """A method set on an instance (an entry point, a module's ``_apply``)."""
-
-    owner: Any
-    attr: str
-    had_own: bool
-    old: Any
-
-    def undo(self) -> None:
-        if self.had_own:
-            setattr(self.owner, self.attr, self.old)
-        else:
-            self.owner.__dict__.pop(self.attr, None)
-
-
-@dataclass(frozen=True)
-class AttachedHook:
-    handle: Any  # torch.utils.hooks.RemovableHandle
-
-    def undo(self) -> None:
-        self.handle.remove()
-
-
-@dataclass(frozen=True)
-class OwnedFolder:
-    """A folder made for this model (by an integration), removed with it."""
-
-    path: Path
-
-    def undo(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
 
 
 @dataclass

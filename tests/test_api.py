@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import fxoffload_hf
-from fxoffload_hf.api import AttachedHook, PatchedAttribute, StoredParameter, SwappedParameter, engine_of
+from fxoffload_hf.api import engine_of
+from fxoffload_hf.undo import AttachedHook, PatchedAttribute, StoredParameter, SwappedParameter
 
 
 def _snapshot(model: torch.nn.Module) -> dict:
