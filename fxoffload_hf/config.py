@@ -80,6 +80,18 @@ def parse_budget(value: BudgetSpec, *, free_bytes: int | None = None, what: str 
     return nbytes
 
 
+def parse_budgets(
+    device_type: str, gpu_memory: BudgetSpec, cpu_memory: BudgetSpec, gpu_free: int | None
+) -> tuple[int | None, int | None]:
+    """``gpu_memory`` and ``cpu_memory`` in bytes. ``gpu_free`` is the compute device's free memory that
+    shares are taken of (None: unknown, e.g. a GPU planned for on a machine without one); on CUDA without
+    ``gpu_memory`` the budget is most of it, leaving room for the CUDA context and others."""
+    gpu_budget = parse_budget(gpu_memory, free_bytes=gpu_free, what="gpu_memory")
+    if gpu_budget is None and device_type == "cuda" and gpu_free is not None:
+        gpu_budget = int(gpu_free * DEFAULT_GPU_SHARE)
+    return gpu_budget, parse_budget(cpu_memory, free_bytes=free_host_memory(), what="cpu_memory")
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """``None`` means CUDA when available, else CPU; a CUDA device that is absent is an error."""
     if device is None:
@@ -144,13 +156,11 @@ class OffloadConfig:
         if compile not in COMPILE_BACKENDS:
             raise ValueError(f"compile: {compile!r} is not one of {COMPILE_BACKENDS}")
         gpu_free = free_device_memory(dev) if dev.type == "cuda" else free_host_memory()
-        gpu_budget = parse_budget(gpu_memory, free_bytes=gpu_free, what="gpu_memory")
-        if gpu_budget is None and dev.type == "cuda":
-            gpu_budget = int(gpu_free * DEFAULT_GPU_SHARE)  # leave room for the CUDA context and others
+        gpu_budget, cpu_budget = parse_budgets(dev.type, gpu_memory, cpu_memory, gpu_free)
         return cls(
             device=dev,
             gpu_memory=gpu_budget,
-            cpu_memory=parse_budget(cpu_memory, free_bytes=free_host_memory(), what="cpu_memory"),
+            cpu_memory=cpu_budget,
             offload_folder=Path(offload_folder) if offload_folder is not None else None,
             policy=policy,
             compile=compile,

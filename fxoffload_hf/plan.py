@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from fxoffload_hf.config import DEFAULT_GPU_SHARE, RESIDENT_THRESHOLD, BudgetSpec, parse_budget
+from fxoffload_hf.config import RESIDENT_THRESHOLD, BudgetSpec, parse_budgets
 from fxoffload_hf.graphs import activation_peak, only_row_lookups
 from fxoffload_hf.memory import free_device_memory, free_host_memory
 from fxoffload_hf.memory_model import (
@@ -236,10 +236,7 @@ def _budgets(
         gpu_free = free_device_memory(torch.device("cuda", torch.cuda.current_device()))
     elif device_type == "cpu":
         gpu_free = free_host_memory()
-    gpu = parse_budget(gpu_memory, free_bytes=gpu_free, what="gpu_memory")
-    if gpu is None and device_type == "cuda" and gpu_free is not None:
-        gpu = int(gpu_free * DEFAULT_GPU_SHARE)  # what offload() would take
-    return gpu, parse_budget(cpu_memory, free_bytes=free_host_memory(), what="cpu_memory")
+    return parse_budgets(device_type, gpu_memory, cpu_memory, gpu_free)
 
 
 def _floor_reason(
