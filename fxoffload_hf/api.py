@@ -229,9 +229,9 @@ def _store_weights(
     for param, uses in large:
         name = uses[0][2]
         if param.device.type == "meta":
-            store.add_disk(name, checkpoint[name], param.dtype)
+            store.add_disk(name, checkpoint[name], param.dtype, requires_grad=param.requires_grad)
         else:
-            store.add_host(name, param.data)
+            store.add_host(name, param.data, requires_grad=param.requires_grad)
         for _module, _attr, alias in uses[1:]:
             store.add_alias(name, alias)
 

@@ -62,6 +62,7 @@ class LoadSpec:
     fault_in: tuple[bool, ...] = ()  # per mapped weight: fault its pages in ahead (not for row lookups)
     side: int = 0  # end of the staging arena its staged weights take
     kept: tuple[TensorSlice, ...] = ()  # files of held weights kept as mapped pages: checked at each load
+    leaves: tuple[str, ...] = ()  # weights whose parameter requires grad (``as_parameters``)
 
     @classmethod
     def build(
@@ -79,6 +80,7 @@ class LoadSpec:
             fault_in=tuple(r.name not in lookups for r in by_way[Way.MAPPED]),
             side=side,
             kept=tuple(r.disk for r in held if r.mapped and r.disk is not None),
+            leaves=tuple(r.name for by in by_way.values() for r in by if r.requires_grad),
         )
 
     @functools.cached_property
@@ -98,6 +100,26 @@ class Loaded:
     streamed_bytes: int
     event: Any = None  # CUDA: the copies' completion
     mapped: MappedGroup | None = None  # the views of file pages it holds
+    leaves: tuple[str, ...] = ()  # as ``LoadSpec.leaves``
+
+
+def as_parameters(tensors: dict[str, torch.Tensor], leaves: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The tensors as eager code sees its parameters: those named in ``leaves`` flagged as requiring
+    grad, as their parameters are.
+
+    ATen picks kernels by the flag even where no gradient is recorded: ``matmul`` folds a batched
+    non-contiguous input into one ``mm`` when an operand requires grad, and runs a ``bmm`` (other
+    rounding) when none does. So a batch's last-token logits (``logits_to_keep``) differ from eager by
+    an ulp unless the weight carries its flag. Only without grad mode (``no_grad``, ``inference_mode``,
+    ``generate``): under grad mode the flag would record autograd through streamed weights, which
+    fxoffload does not support; there the activations usually require grad already, which folds alike.
+    """
+    if not leaves or torch.is_grad_enabled():
+        return tensors
+    flagged = dict(tensors)
+    for name in leaves:
+        flagged[name] = tensors[name].detach().requires_grad_()
+    return flagged
 
 
 class Reader(Protocol):
@@ -168,7 +190,8 @@ class Loader:
         for record in spec.copied:
             tensors[record.name] = record.host  # type: ignore[assignment]
         tensors, event = self.to_device(tensors)
-        return Loaded(tensors, start, time.perf_counter() - start, spec.streamed_bytes, event, group)
+        seconds = time.perf_counter() - start
+        return Loaded(tensors, start, seconds, spec.streamed_bytes, event, group, spec.leaves)
 
     def _group(self, spec: LoadSpec) -> MappedGroup:
         """The mapped views of ``spec``, made once and again only when a file was replaced."""
@@ -185,7 +208,7 @@ class Loader:
 
     def ready(self, loaded: Loaded) -> dict[str, torch.Tensor]:
         """The tensors, usable by the compute that follows (on the calling thread)."""
-        return loaded.tensors
+        return as_parameters(loaded.tensors, loaded.leaves)
 
     def detach(self, value: Any) -> Any:
         """``value`` with nothing left in it that the next loads overwrite."""
@@ -275,7 +298,7 @@ class CudaLoader(Loader):
 
     def ready(self, loaded: Loaded) -> dict[str, torch.Tensor]:
         self.ops.order_after(loaded.event, loaded.tensors)
-        return loaded.tensors
+        return super().ready(loaded)
 
     def detach(self, value: Any) -> Any:
         return value  # results live on the device, never in the host arena

@@ -61,6 +61,9 @@ class WeightRecord:
     resident: torch.Tensor | None = None
     aliases: list[str] = field(default_factory=list)
     mapped: bool = False  # ``resident`` is a view of its file's pages
+    # the parameter's own flag: ATen picks some kernels by it even without autograd (see
+    # ``loaders.as_parameters``), so the compute must see the weight with it
+    requires_grad: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -104,10 +107,11 @@ class WeightStore:
         self._lock = threading.Lock()
 
     # -- building -------------------------------------------------------------------------------
-    def add_host(self, name: str, tensor: torch.Tensor) -> WeightRecord:
-        """Hold ``tensor`` (already in host memory, or on the device) under ``name``."""
+    def add_host(self, name: str, tensor: torch.Tensor, *, requires_grad: bool = False) -> WeightRecord:
+        """Hold ``tensor`` (already in host memory, or on the device) under ``name``; ``requires_grad``
+        is the flag of the parameter it stands for."""
         value = tensor.detach()
-        record = WeightRecord(name, tuple(value.shape), value.dtype)
+        record = WeightRecord(name, tuple(value.shape), value.dtype, requires_grad=requires_grad)
         if value.device == self.device:
             record.resident = value
         if value.device.type == "cpu":
@@ -117,10 +121,13 @@ class WeightStore:
         self.records[name] = record
         return record
 
-    def add_disk(self, name: str, source: TensorSlice, dtype: torch.dtype | None = None) -> WeightRecord:
-        """Point ``name`` at a byte range of a safetensors file (read lazily, never copied)."""
+    def add_disk(
+        self, name: str, source: TensorSlice, dtype: torch.dtype | None = None, *, requires_grad: bool = False
+    ) -> WeightRecord:
+        """Point ``name`` at a byte range of a safetensors file (read lazily, never copied);
+        ``requires_grad`` is the flag of the parameter it stands for."""
         dtype = dtype or source.dtype
-        record = WeightRecord(name, source.shape, dtype, disk=source)
+        record = WeightRecord(name, source.shape, dtype, disk=source, requires_grad=requires_grad)
         self.records[name] = record
         return record
 
