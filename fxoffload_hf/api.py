@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxoffload_hf import eager_paths
 from fxoffload_hf.capture import (
     HANDLE_ATTR,
     GhostHandle,
@@ -118,6 +119,7 @@ def offload(
         holders = _install_ghosts(large, store, config.device, undo)
         _guard_modules(model, holders, engine, undo)
         _take_eager_code_paths(model, undo)
+        undo.append(eager_paths.EagerPaths())
         for entry in entry_points:
             _wrap_entry(model, entry, engine, undo)
     except BaseException:
@@ -311,7 +313,7 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, undo: list[Undo]) 
         if torch.compiler.is_dynamo_compiling():
             # traced as part of another entry point (an encoder inside the full forward): inline it
             return original(*args, **kwargs)
-        with engine.lock:
+        with engine.lock, eager_paths.inside():
             try:
                 return compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as exc:
