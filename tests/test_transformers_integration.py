@@ -214,3 +214,38 @@ def test_a_vocabulary_larger_than_half_the_budget_streams_alone_and_exactly(tmp_
         assert any(name.endswith("(alone: too large to overlap)") for name in names)
     finally:
         fxoffload_hf.restore(model)
+
+
+def test_parameters_the_checkpoint_lacks_are_made_as_transformers_makes_them(tmp_path):
+    """Marian does not save its sinusoidal position tables: transformers computes them at load, before
+    accelerate's disk hooks move every parameter to meta. They come back with their computed values."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.MarianConfig(
+        vocab_size=1000, d_model=128, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256, max_position_embeddings=64,
+        pad_token_id=0, decoder_start_token_id=0,
+    )  # fmt: skip
+    tf.MarianMTModel(config).save_pretrained(tmp_path / "ckpt", max_shard_size="300KB")
+    assert not any("embed_positions" in key for key in _saved_keys(tmp_path / "ckpt"))
+    eager = tf.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ckpt").eval()
+    decoder_ids = torch.randint(3, 1000, (1, 5), generator=torch.Generator().manual_seed(4))
+    model = fxoffload_hf.from_pretrained(tmp_path / "ckpt", cpu_memory=2_000_000, device="cpu")
+    try:
+        with torch.no_grad():
+            expected = eager(input_ids=IDS, decoder_input_ids=decoder_ids).logits
+            assert torch.equal(model(input_ids=IDS, decoder_input_ids=decoder_ids).logits, expected)
+        assert max(r.program.pieces for r in fxoffload_hf.engine_of(model).runners) >= 2
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def _saved_keys(folder) -> set[str]:
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for file in folder.glob("*.safetensors"):
+        with safe_open(file, "pt") as handle:
+            keys.update(handle.keys())
+    return keys

@@ -190,20 +190,30 @@ def validate_checkpoint(folder: Path, *, allow_pickle: bool) -> dict[Path, dict[
 
 
 def _checkpoint_index(model: nn.Module, shards: dict[Path, dict[str, TensorSlice]]) -> dict[str, TensorSlice]:
-    """Parameter name → bytes in a file, from accelerate's disk hooks; the hooks are then removed."""
+    """Parameter name → bytes in a file, from accelerate's disk hooks; the hooks are then removed.
+
+    Parameters the checkpoint lacks (Marian's sinusoidal tables: transformers computes them) were made on
+    the CPU before the hooks came, and each hook moved its module's parameters to meta with no value left
+    to bring back: their hooks forget them (a detach would fail on them) and they are made again.
+    """
     from accelerate.hooks import remove_hook_from_module
 
     index: dict[str, TensorSlice] = {}
     headers = dict(shards)
+    dropped: list[tuple[nn.Module, str]] = []
     for module_name, module in model.named_modules():
         hook = getattr(module, "_hf_hook", None)
         weights_map = getattr(hook, "weights_map", None)
-        if weights_map is None:
+        if hook is None or weights_map is None:
             continue
         entries = weights_map.dataset.index
         for pname, param in module.named_parameters(recurse=False):
             full = f"{module_name}.{pname}" if module_name else pname
             info = entries.get(f"{weights_map.prefix}{pname}")
+            if _dropped_by_hook(hook, pname, param, info):
+                hook.original_devices.pop(pname)
+                dropped.append((module, pname))
+                continue
             if info is None or "safetensors_file" not in info:
                 continue
             file = Path(info["safetensors_file"]).resolve()
@@ -220,7 +230,35 @@ def _checkpoint_index(model: nn.Module, shards: dict[Path, dict[str, TensorSlice
             index[full] = source
     remove_hook_from_module(model, recurse=True)
     model.__dict__.pop("hf_device_map", None)
+    _initialize_again(model, dropped)
     return index
+
+
+def _dropped_by_hook(hook: Any, pname: str, param: nn.Parameter, info: dict | None) -> bool:
+    """A parameter that was real before its offloading hook came and that nothing can bring back."""
+    original = getattr(hook, "original_devices", {}).get(pname)
+    if original is None or original.type == "meta" or param.device.type != "meta" or info is not None:
+        return False
+    return f"{hook.weights_map.prefix}{pname}" not in hook.weights_map.dataset.state_dict
+
+
+def _initialize_again(model: nn.Module, dropped: list[tuple[nn.Module, str]]) -> None:
+    """Make the dropped parameters again on the CPU with transformers' own initialisation of missing keys
+    (``initialize_weights`` visits only the modules not marked initialised: here, their owners)."""
+    if not dropped:
+        return
+    initialize = getattr(model, "initialize_weights", None)
+    if not callable(initialize):
+        names = ", ".join(f"{type(m).__name__}.{p}" for m, p in dropped)
+        raise CheckpointError(f"the checkpoint does not hold {names}, and the model cannot initialise it")
+    for module, pname in dropped:
+        param = module._parameters[pname]
+        assert param is not None
+        module._parameters[pname] = nn.Parameter(
+            torch.empty_like(param, device="cpu"), requires_grad=param.requires_grad
+        )
+        module.__dict__["_is_hf_initialized"] = False  # transformers' flag, a plain attribute
+    initialize()
 
 
 def _cast_on_meta(model: nn.Module, dtype: torch.dtype) -> None:
