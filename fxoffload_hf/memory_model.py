@@ -23,6 +23,9 @@ ALIGN = 64  # tensors in a staging buffer start at multiples of this many bytes
 # quarter of it and the rest can stay resident; under "sequential" two pieces take all of it
 PIECE_DIVISOR = {"auto": 8, "sequential": 2}
 
+# the "too small" error suggests a smaller batch when activations are at least 1/this of what is needed
+ACTIVATION_HINT_SHARE = 4
+
 
 def nbytes(shape: Iterable[int], itemsize: int) -> int:
     """Bytes of a dense tensor of ``shape`` whose elements take ``itemsize`` bytes."""
@@ -152,11 +155,17 @@ class MemoryModel:
     def too_small(self, smallest: int, activations: int = 0, detail: str = "") -> BudgetTooSmallError:
         """The one "budget too small" error: what the budget must hold, and the budget that works."""
         what = f" ({detail})" if detail else ""
+        # activations are sized by the call, not the model: where they are a large share, say so
+        or_smaller = (
+            ", or call it with a smaller batch or shorter inputs (the activations grow with both)"
+            if activations * ACTIVATION_HINT_SHARE >= smallest
+            else ""
+        )
         return BudgetTooSmallError(
             f"{self.budget_name}={format_bytes(self.budget)} is too small for this model{what}. "
             f"The largest piece alone, {format_bytes(activations)} of activations and "
             f"{format_bytes(self.fixed_bytes)} of resident small tensors need at least "
-            f"{format_bytes(smallest)}: pass {self.budget_name}={smallest} or more",
+            f"{format_bytes(smallest)}: pass {self.budget_name}={smallest} or more{or_smaller}",
             smallest_budget=smallest,
         )
 
