@@ -10,13 +10,16 @@ ghost is a placeholder whose handle tells the engine which stored weight to feed
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as shape_config
 from torch import nn
 
+from fxoffload_hf.blocks import BlockRegions
 from fxoffload_hf.weights import WeightRecord, WeightStore
 
 HANDLE_ATTR = "_fxoffload_handle"
@@ -99,7 +102,9 @@ def handle_of(value: Any) -> GhostHandle | None:
     return getattr(value, HANDLE_ATTR, None)
 
 
-def compile_entry(fn: Callable[..., Any], backend: Callable[..., Any]) -> Callable[..., Any]:
+def compile_entry(
+    fn: Callable[..., Any], backend: Callable[..., Any], regions: BlockRegions | None = None
+) -> Callable[..., Any]:
     """``torch.compile`` ``fn`` with our backend, called in one canonical form.
 
     Sizes are symbolic from the first call (parameters stay static), so new sequence, cache or batch
@@ -108,17 +113,46 @@ def compile_entry(fn: Callable[..., Any], backend: Callable[..., Any]) -> Callab
     are captured apart, as are calls with and without a mask or position ids: a few of each combination,
     hence a recompile limit above dynamo's default of 8. Data-dependent ops (``.item()`` in mixture-of-experts
     routing) still break the graph: capturing them (``capture_scalar_outputs``) makes LED fail in
-    dynamo (a pending unbacked symbol).
+    dynamo (a pending unbacked symbol). ``regions`` (the model's repeated blocks) are given up, and the
+    call captured again without them, when dynamo cannot capture one.
     """
     compiled = torch.compile(fn, backend=backend, dynamic=True, fullgraph=False)
     canonical = canonical_call(fn)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = canonical(args, kwargs)
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return compiled(*args, **kwargs)
+        with capture_settings():
+            try:
+                return compiled(*args, **kwargs)
+            except torch._dynamo.exc.UncapturedHigherOrderOpError:
+                # raised while a frame compiles, before it runs; frames of this call that ran before it
+                # hold no block regions' work, and are guarded to run the same way again
+                if regions is None or not regions.give_up():
+                    raise
+                return compiled(*args, **kwargs)
 
     return run
+
+
+@contextmanager
+def capture_settings() -> Iterator[None]:
+    """Dynamo's settings while fxoffload captures (see the notes inside)."""
+    with (
+        # sizes that happen to be equal are not given one symbol (duck sizing): a cache of 64 positions
+        # and a head dimension of 64 would be, and the first decode step after a 64-token prompt would
+        # be captured for that length alone
+        shape_config.patch(use_duck_shape=False),  # type: ignore[attr-defined]
+        torch._dynamo.config.patch(
+            recompile_limit=RECOMPILE_LIMIT,
+            # float attributes of modules (norm epsilons, attention scales) stay constants of the graph:
+            # as symbols they add a placeholder and a guard each and never change between calls
+            specialize_float=True,
+            # repeated blocks are traced once as nested regions (``blocks``), then inlined: the engine
+            # partitions a flat graph
+            inline_invoke_subgraph=True,
+        ),
+    ):
+        yield
 
 
 def canonical_call(

@@ -89,10 +89,24 @@ def test_two_hundred_decode_steps_compile_a_bounded_number_of_graphs(llama_dir):
     try:
         with torch.no_grad():
             model.generate(IDS, max_new_tokens=200, min_new_tokens=200, do_sample=False)
-            for length in (3, 17, 30):
+            # 32 is the head dimension: a cache length equal to another size must not be tied to it
+            for length in (3, 17, 30, 32):
                 ids = torch.randint(0, 1000, (1, length), generator=torch.Generator().manual_seed(length))
                 model.generate(ids, max_new_tokens=5, do_sample=False)
         # one prefill and one decode graph, sizes symbolic from the first call: never one per step or length
+        assert len(fxoffload_hf.engine_of(model).runners) == 2
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_a_prompt_as_long_as_the_head_dimension_compiles_two_graphs(llama_dir):
+    model = _load(llama_dir)
+    ids = torch.randint(0, 1000, (1, 32), generator=torch.Generator().manual_seed(32))
+    try:
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        # dynamo's duck sizing would give the cache length and the head dimension (both 32) one symbol,
+        # and the first decode step would be captured for that length alone
         assert len(fxoffload_hf.engine_of(model).runners) == 2
     finally:
         fxoffload_hf.restore(model)
