@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from fxoffload_hf import eager_paths
+from fxoffload_hf.blocks import BlockRegions
 from fxoffload_hf.capture import (
     HANDLE_ATTR,
     GhostHandle,
@@ -120,8 +121,10 @@ def offload(
         _guard_modules(model, holders, engine, undo)
         _take_eager_code_paths(model, undo)
         undo.append(eager_paths.EagerPaths())
+        regions = BlockRegions()
+        undo.extend(regions.mark(model))
         for entry in entry_points:
-            _wrap_entry(model, entry, engine, undo)
+            _wrap_entry(model, entry, engine, regions, undo)
     except BaseException:
         _undo(undo)
         if engine is not None:
@@ -299,14 +302,16 @@ def _take_eager_code_paths(model: nn.Module, undo: list[Undo]) -> None:
                 setattr(owner, attr, eager)
 
 
-def _wrap_entry(model: nn.Module, entry: str, engine: Engine, undo: list[Undo]) -> None:
+def _wrap_entry(
+    model: nn.Module, entry: str, engine: Engine, regions: BlockRegions, undo: list[Undo]
+) -> None:
     """Route ``model.<entry>`` through the engine (compiled with it as the backend)."""
     target = model
     for part in entry.split(".")[:-1]:
         target = getattr(target, part)
     attr = entry.split(".")[-1]
     original = getattr(target, attr)
-    compiled = compile_entry(original, engine)
+    compiled = compile_entry(original, engine, regions)
 
     @functools.wraps(original)
     def run(*args: Any, **kwargs: Any) -> Any:

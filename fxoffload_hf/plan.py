@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from fxoffload_hf.blocks import BlockRegions, region_counts
+from fxoffload_hf.capture import compile_entry
 from fxoffload_hf.config import RESIDENT_THRESHOLD, BudgetSpec, parse_budgets
 from fxoffload_hf.graphs import activation_peak, only_row_lookups
 from fxoffload_hf.memory import free_device_memory, free_host_memory
@@ -44,6 +46,8 @@ class PlanReport:
     smallest_budget: int
     floor_set_by: str = ""
     device: str = "cpu"
+    blocks_traced: int = 0  # repeated blocks traced by dynamo, and those stamped out from that trace
+    blocks_reused: int = 0
     tradeoff: list[Estimate] = field(default_factory=list)
     error: str | None = None
 
@@ -88,20 +92,39 @@ class PlanReport:
         return lines
 
 
-def capture_on_meta(model: torch.nn.Module, *inputs: Any) -> tuple[fx.GraphModule, list[Any]]:
-    """Capture ``model.forward`` once with meta inputs; the graph and its example inputs."""
+@dataclass(frozen=True)
+class MetaCapture:
+    graph: fx.GraphModule
+    example_inputs: list[Any]
+    blocks_traced: int  # repeated blocks dynamo traced, and those it stamped out from a trace
+    blocks_reused: int
+
+
+def capture_on_meta(model: torch.nn.Module, *inputs: Any) -> MetaCapture:
+    """Capture ``model.forward`` once with meta inputs: the largest graph and its example inputs.
+
+    Repeated blocks are traced once (``blocks``), so capture costs do not grow with depth.
+    """
     captured: list[tuple[fx.GraphModule, list[Any]]] = []
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         captured.append((gm, list(example_inputs)))
         return gm.forward
 
+    regions = BlockRegions()
+    undo = regions.mark(model)
     torch._dynamo.reset()
-    compiled = torch.compile(model.forward, backend=backend, fullgraph=False)
-    with torch.no_grad():
-        compiled(*inputs, use_cache=False)
-    torch._dynamo.reset()
-    return max(captured, key=lambda c: len(c[0].graph.nodes))
+    try:
+        compiled = compile_entry(model.forward, backend, regions)
+        with torch.no_grad():
+            compiled(*inputs, use_cache=False)
+        traced, reused = region_counts()
+    finally:
+        torch._dynamo.reset()
+        for record in reversed(undo):
+            record.undo()
+    gm, example_inputs = max(captured, key=lambda c: len(c[0].graph.nodes))
+    return MetaCapture(gm, example_inputs, traced, reused)
 
 
 def plan_checkpoint(
@@ -154,7 +177,8 @@ def plan_config(
         model = tf.AutoModelForCausalLM.from_config(config).eval()
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
-    gm, example_inputs = capture_on_meta(model, ids)
+    capture = capture_on_meta(model, ids)
+    gm, example_inputs = capture.graph, capture.example_inputs
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     weights: dict[fx.Node, int] = {}
     labels: dict[fx.Node, str] = {}
@@ -186,6 +210,8 @@ def plan_config(
         smallest_budget=memory.smallest_budget(sizes[heaviest] if heaviest else 0, activations),
         floor_set_by=_floor_reason(heaviest, sizes, labels, activations, small),
         device=device_type,
+        blocks_traced=capture.blocks_traced,
+        blocks_reused=capture.blocks_reused,
     )
     full = report.weight_bytes + small + activations
     largest = sizes[heaviest] if heaviest else 0

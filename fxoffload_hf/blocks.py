@@ -1,0 +1,118 @@
+"""Repeated blocks: trace one, stamp out the rest.
+
+A transformer repeats one block class N times, and dynamo traces every call of it anew, so capture costs
+grow with depth. A block marked as a nested compile region (``torch.compiler.nested_compile_region``) is
+traced once: dynamo stamps out the traced subgraph for the other blocks, each with its own weights. The
+engine asks dynamo to inline the regions back (``inline_invoke_subgraph``), so the graph it partitions
+is flat and holds the same ops as without them: pieces may still end inside a block.
+
+Only calls without state go through the region. A block that writes a KV cache has a side effect dynamo
+cannot stamp out; it would trace each block anyway, at a higher cost than plain, so such calls (any
+argument that is not a tensor, a number, a string or None, e.g. a ``Cache``) call the block as usual.
+Where dynamo cannot capture a region at all (an op it must run eagerly inside the block, outputs that
+alias inputs), ``BlockRegions.give_up`` turns them off for the model and the call is captured plain.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxoffload_hf.undo import PatchedAttribute, Undo
+
+# Distinct traces dynamo keeps per block class (prefill, decode-free forwards at several batch forms):
+# past it dynamo raises, so the limit is well above what a model's call patterns produce.
+_REUSE_ENTRIES = 256
+_PLAIN = (torch.Tensor, int, float, bool, str, torch.dtype, torch.device, type(None))
+
+
+class BlockRegions:
+    """The repeated blocks of one model, marked as nested compile regions while ``enabled``."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self.blocks: list[nn.Module] = []
+
+    def give_up(self) -> bool:
+        """Stop routing calls through the regions; whether they were in use (a retry can help)."""
+        was, self.enabled = self.enabled and bool(self.blocks), False
+        return was
+
+    def mark(self, model: nn.Module) -> list[Undo]:
+        """Route the repeated blocks of ``model`` through one region per block class; the undo records."""
+        undo: list[Undo] = []
+        forwards: dict[Callable[..., Any], Callable[..., Any]] = {}
+        for block in repeated_blocks(model):
+            plain = type(block).forward
+            if plain not in forwards:
+                forwards[plain] = self._dispatch(plain)
+            undo.append(PatchedAttribute(block, "forward", False, None))
+            block.forward = types.MethodType(forwards[plain], block)  # type: ignore[method-assign]
+            self.blocks.append(block)
+        return undo
+
+    def _dispatch(self, plain: Callable[..., Any]) -> Callable[..., Any]:
+        def region(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return plain(module, *args, **kwargs)
+
+        marked = torch.compiler.nested_compile_region(region, max_reuse_entries=_REUSE_ENTRIES)
+
+        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if self.enabled and torch.compiler.is_dynamo_compiling() and stateless(args, kwargs):
+                return marked(module, *args, **kwargs)
+            return plain(module, *args, **kwargs)
+
+        return forward
+
+
+def repeated_blocks(model: nn.Module) -> Iterator[nn.Module]:
+    """Children of a ``ModuleList`` or ``Sequential`` that share their class and parameter shapes with at
+    least one sibling and have no forward of their own set on the instance. Only blocks (modules made
+    of modules, holding weights) count: a list of single layers gains nothing from being stamped out."""
+    for container in model.modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        alike: dict[tuple[Any, ...], list[nn.Module]] = defaultdict(list)
+        for child in container:
+            if "forward" not in child.__dict__ and _is_block(child):
+                alike[_signature(child)].append(child)
+        for group in alike.values():
+            if len(group) > 1:
+                yield from group
+
+
+def _is_block(module: nn.Module) -> bool:
+    return any(True for _ in module.children()) and any(True for _ in module.parameters())
+
+
+def _signature(block: nn.Module) -> tuple[Any, ...]:
+    params = tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters())
+    return (type(block), params)
+
+
+def stateless(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call passes only tensors, numbers, strings and None (in tuples and lists at most)."""
+    stack: list[Any] = [*args, *kwargs.values()]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, (tuple, list)):
+            stack.extend(value)
+        elif not isinstance(value, _PLAIN):
+            return False
+    return True
+
+
+def region_counts() -> tuple[int, int]:
+    """Blocks dynamo traced as regions, and blocks it stamped out from an earlier trace, since its last
+    reset (from dynamo's compile-time records)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return (
+        len(compilation_time_metrics.get("invoke_subgraph_trace", [])),
+        len(compilation_time_metrics.get("invoke_subgraph_reuse_stamp_out", [])),
+    )
