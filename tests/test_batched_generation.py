@@ -174,3 +174,22 @@ def test_a_later_batch_whose_activations_do_not_fit_is_refused(checkpoints):
         raise AssertionError("a batch of 24 ran under a budget its activations (about 5 MiB) do not fit")
     finally:
         fxoffload_hf.restore(model)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="a module run eagerly (eager_fallback) gets its ghosts' values with the ghost's requires_grad "
+    "(False), not the parameter's: ATen's matmul then runs a bmm, not eager's folded mm, an ulp apart",
+)
+def test_a_module_called_directly_on_a_batch_gives_the_eager_values(checkpoints):
+    folder, eager = checkpoints("llama")
+    last = torch.randn(4, 12, 128, generator=torch.Generator().manual_seed(8))[:, -1:]  # not contiguous
+    model = _load(folder, "llama")
+    try:
+        with torch.no_grad(), pytest.warns(UserWarning, match="ran outside a captured graph"):
+            got = model.lm_head(last)
+        with torch.no_grad():
+            assert torch.equal(got, eager.lm_head(last))
+    finally:
+        fxoffload_hf.restore(model)
