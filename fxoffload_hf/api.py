@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from fxoffload_hf.eager_fallback import EagerWeights
 from fxoffload_hf.engine import Engine
 from fxoffload_hf.memory import memory_limit, tensor_nbytes
 from fxoffload_hf.memory_model import MemoryModel
+from fxoffload_hf.progress import stage
 from fxoffload_hf.safetensors_io import CheckpointError, TensorSlice
 from fxoffload_hf.undo import (
     AttachedHook,
@@ -112,9 +114,10 @@ def offload(
             config.device.type, config.gpu_memory, config.cpu_memory, fixed
         )
         engine = Engine(config, store, memory)
-        _store_weights(large, store, checkpoint)
-        memory.check_weights(r.footprint for r in store.records.values())
-        _spill_what_ram_cannot_hold(store, config, fixed)
+        with stage("weights placed for %s: %s", config.device, store):
+            _store_weights(large, store, checkpoint)
+            memory.check_weights(r.footprint for r in store.records.values())
+            _spill_what_ram_cannot_hold(store, config, fixed)
         if config.device.type == "cuda":
             store.pin_host_memory()
         holders = _install_ghosts(large, store, config.device, undo)
@@ -319,6 +322,7 @@ def _wrap_entry(
             # traced as part of another entry point (an encoder inside the full forward): inline it
             return original(*args, **kwargs)
         with engine.lock, eager_paths.inside():
+            engine.call_started = time.perf_counter()
             try:
                 return compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as exc:

@@ -10,6 +10,7 @@ weights stay, how far ahead to load), the store moves the weights, and a new pla
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -18,15 +19,17 @@ from typing import Any
 import torch
 from torch import fx
 
+from fxoffload_hf.blocks import region_counts
 from fxoffload_hf.config import OffloadConfig
 from fxoffload_hf.graphs import capture_device, graph_facts, retarget_devices
 from fxoffload_hf.loaders import DeviceOps, InlineReader, ThreadedReader, make_loader
 from fxoffload_hf.memory import return_large_frees_to_the_os
-from fxoffload_hf.memory_model import MemoryModel
+from fxoffload_hf.memory_model import MemoryModel, format_bytes
 from fxoffload_hf.observers import Profiler
 from fxoffload_hf.partition import Partition
 from fxoffload_hf.planner import GraphInput, ModelPlan, partition_for_budget, plan_model, sizes_for_budget
 from fxoffload_hf.program import build_program
+from fxoffload_hf.progress import report
 from fxoffload_hf.runner import CallMeasure, GraphRunner, Observer
 from fxoffload_hf.schedule import PieceProfile, choose_resident
 from fxoffload_hf.weights import WeightStore
@@ -99,10 +102,12 @@ class Engine:
         self._inputs: list[GraphInput] = []
         self._inline_now: list[bool] = []  # per graph: running its inline schedule
         self.plan: ModelPlan | None = None
+        self.call_started = time.perf_counter()  # set by the entry point at each call: capture timing
 
     # -- backend --------------------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> _GraphEntry:
         """The ``torch.compile`` backend entry: one runner per captured graph."""
+        received = time.perf_counter()
         traced_on = capture_device(example_inputs)
         if traced_on is not None and traced_on != self.device:
             retarget_devices(gm.graph, traced_on, self.device)
@@ -128,7 +133,25 @@ class Engine:
         self.runners.append(runner)
         self.stats.graphs = len(self.runners)
         self._swap(plan)
+        self._report_capture(gm, facts.weight_bytes, program.pieces, received)
         return _GraphEntry(self, runner)
+
+    def _report_capture(
+        self, gm: fx.GraphModule, weights: dict[fx.Node, int], pieces: int, received: float
+    ) -> None:
+        traced, stamped = region_counts()
+        blocks = f"; repeated blocks: {traced} traced, {stamped} stamped out" if stamped else ""
+        report(
+            "graph %d captured %.1f s into the call: %d ops, %d weights (%s)%s; cut into %d pieces in %.1f s",
+            len(self.runners),
+            received - self.call_started,
+            len(gm.graph.nodes),
+            len(weights),
+            format_bytes(sum(weights.values())),
+            blocks,
+            pieces,
+            time.perf_counter() - received,
+        )
 
     def _make_room_for_activations(self, activation_bytes: int) -> None:
         """On the CPU, weights kept whole in RAM at offload time (activations unknown then) go to disk
@@ -170,6 +193,7 @@ class Engine:
             wanted = choose_resident(profile, self.memory, max(self.activation_bytes))
             self.store.set_residents(wanted)
         self.replan()
+        report("graph %d profiled: weights now %s", index + 1, self.store.summary())
 
     def called(self, runner: GraphRunner) -> None:
         """Count a finished call; on the CPU, load on the calling thread while loads cost little."""

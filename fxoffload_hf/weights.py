@@ -292,6 +292,9 @@ class WeightStore:
     def total_bytes(self) -> int:
         return sum(r.nbytes for r in self.records.values())
 
+    def __str__(self) -> str:
+        return self.summary()
+
     def summary(self) -> str:
         parts = [f"{t.value} {format_bytes(self.bytes_in(t))}" for t in Tier]
         return f"{len(self.records)} weights, " + ", ".join(parts)
