@@ -76,6 +76,7 @@ class EagerWeights:
             return
         self.lock.acquire()  # released by ``after``, which runs even when the forward raises
         swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
+        lends_grad_flag = not torch.is_grad_enabled()
         self._swapped.setdefault(module, []).append(swapped)
         try:
             for ghost in _ghosts(module):
@@ -84,6 +85,8 @@ class EagerWeights:
                 value = handle.store.read(handle.record).to(ghost.device, ghost.dtype)
                 swapped.append((ghost, ghost.data))
                 ghost.data = value
+                if lends_grad_flag:  # as the runner's weights do (``loaders.as_parameters``)
+                    ghost.requires_grad_(handle.record.requires_grad)
             self._warn_once(module, sum(g.numel() * g.element_size() for g, _ in swapped))
         except BaseException:
             self._release(module)
@@ -101,6 +104,7 @@ class EagerWeights:
             stack = self._swapped[module]
             for ghost, held in reversed(stack.pop()):
                 ghost.data = held
+                ghost.requires_grad_(False)
             if not stack:
                 del self._swapped[module]
         finally:

@@ -176,12 +176,6 @@ def test_a_later_batch_whose_activations_do_not_fit_is_refused(checkpoints):
         fxoffload_hf.restore(model)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a module run eagerly (eager_fallback) gets its ghosts' values with the ghost's requires_grad "
-    "(False), not the parameter's: ATen's matmul then runs a bmm, not eager's folded mm, an ulp apart",
-)
 def test_a_module_called_directly_on_a_batch_gives_the_eager_values(checkpoints):
     folder, eager = checkpoints("llama")
     last = torch.randn(4, 12, 128, generator=torch.Generator().manual_seed(8))[:, -1:]  # not contiguous
