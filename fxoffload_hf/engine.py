@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from fxoffload_hf.activations import ActivationModel, activation_model
 from fxoffload_hf.blocks import region_counts
 from fxoffload_hf.config import OffloadConfig
 from fxoffload_hf.graphs import capture_device, graph_facts, retarget_devices
@@ -134,7 +135,8 @@ class Engine:
         self.stats.graphs = len(self.runners)
         self._swap(plan)
         self._report_capture(gm, facts.weight_bytes, program.pieces, received)
-        return _GraphEntry(self, runner)
+        activations = activation_model(gm, set(facts.weight_bytes), facts.activation_bytes)
+        return _GraphEntry(self, runner, activations)
 
     def _report_capture(
         self, gm: fx.GraphModule, weights: dict[fx.Node, int], pieces: int, received: float
@@ -160,6 +162,24 @@ class Engine:
             return
         if not self.memory.fits(activations=activation_bytes, resident=self.store.ram_bytes()):
             self.store.spill_ram(self.config.offload_folder)
+
+    def activations_grew(self, index: int, need: int) -> None:
+        """A call of graph ``index`` holds ``need`` bytes of activations, more than the plan allowed for (a
+        larger batch or longer inputs through the same graph): refuse it when its largest piece and they
+        cannot fit the budget, else keep fewer weights and plan again, before anything of it runs."""
+        largest = max((p.weight_bytes for part in self.partitions for p in part.pieces), default=0)
+        smallest = self.memory.smallest_budget(largest, need)
+        if self.memory.budget is not None and smallest > self.memory.budget:
+            raise self.memory.too_small(
+                smallest, need, f"this call's activations take {format_bytes(need)}, more than earlier calls'"
+            )
+        self.activation_bytes[index] = need
+        self._make_room_for_activations(need)
+        profile = self._inputs[index].profile
+        if self.memory.budget is not None:
+            wanted = choose_resident(list(profile), self.memory, need) if profile else set()
+            self.store.set_residents(wanted)
+        self.replan()
 
     # -- planning -------------------------------------------------------------------------------
     def replan(self) -> None:
@@ -246,12 +266,16 @@ class Engine:
 class _GraphEntry:
     """What the backend returns for a graph: its first call is profiled, later calls just run."""
 
-    def __init__(self, engine: Engine, runner: GraphRunner) -> None:
+    def __init__(self, engine: Engine, runner: GraphRunner, activations: ActivationModel) -> None:
         self.engine = engine
         self.runner = runner
+        self.activations = activations
         self._call = self._profiled_call
 
     def __call__(self, *args: Any) -> Any:
+        need = self.activations(args)
+        if need > self.engine.activation_bytes[self.runner.index]:
+            self.engine.activations_grew(self.runner.index, need)
         return self._call(args)
 
     def _profiled_call(self, args: tuple[Any, ...]) -> Any:

@@ -150,13 +150,6 @@ def test_a_batch_whose_activations_do_not_fit_is_refused_at_capture(checkpoints)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="sizes are symbolic from the first call, so a larger batch reuses the graphs captured for a "
-    "small one, and its activations are never checked against the budget (they were measured at the "
-    "first call's sizes): the engine should measure each call's activations and re-plan or refuse",
-)
 def test_a_later_batch_whose_activations_do_not_fit_is_refused(checkpoints):
     folder, _ = checkpoints("llama")
     model = _load(folder, "llama")
