@@ -9,10 +9,13 @@ model to ``fxoffload_hf.offload`` with each parameter pointing at its bytes in t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -93,15 +96,18 @@ def from_pretrained(
     model = None
     try:
         cls = auto_class or _default_auto_class(folder, trust_remote_code)
-        model = cls.from_pretrained(
-            folder,
-            device_map={"": "disk"},
-            offload_folder=str(work),
-            dtype="auto",  # the checkpoint's own dtype: a cast here would read every tensor up front
-            trust_remote_code=trust_remote_code,
-            use_safetensors=None if allow_pickle else True,
-            **hf_kwargs,
-        )
+        with _quiet(
+            "accelerate.big_modeling"
+        ):  # its "parameters are on the meta device" is about its own offload
+            model = cls.from_pretrained(
+                folder,
+                device_map={"": "disk"},
+                offload_folder=str(work),
+                dtype="auto",  # the checkpoint's own dtype: a cast here would read every tensor up front
+                trust_remote_code=trust_remote_code,
+                use_safetensors=None if allow_pickle else True,
+                **hf_kwargs,
+            )
         checkpoint = _checkpoint_index(model, shards)
         if target_dtype is not None:
             _cast_on_meta(model, target_dtype)
@@ -124,6 +130,18 @@ def from_pretrained(
     drop_cached_pages(sorted({s.path for s in checkpoint.values()}))
     remove_on_restore(model, work)
     return model
+
+
+@contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Only errors from ``logger_name`` inside the block."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def resolve_checkpoint_folder(path: str | os.PathLike[str]) -> Path:
