@@ -24,7 +24,7 @@ from harness.cgroup import MemoryCgroup, cgroups_writable
 from harness.children import ChildRun, limited_row, run_child, summarize
 from harness.cpu import wait_for_idle
 from harness.protocol import emit, phase
-from harness.sampling import MemoryMarks, status
+from harness.sampling import MemoryMarks, import_baseline
 
 TIMELINE_ENV, TRACE_ENV = "FXOFFLOAD_BENCH_TIMELINE", "FXOFFLOAD_BENCH_TRACE"
 MODES = ("eager", "fxoffload", "accelerate")
@@ -68,19 +68,6 @@ def child_run(mode: str, model_dir: Path, budget: int, new_tokens: int) -> None:
         if engine_before is not None and engine_after is not None:
             result["engine"] = engine.measured(engine_before, engine_after)
         emit(result)
-
-
-def child_baseline(model_dir: Path) -> None:
-    """Memory of a process that has imported everything the children import, before any model."""
-    import accelerate  # noqa: F401
-    import torch
-
-    import fxoffload_hf.integrations.transformers  # noqa: F401
-
-    model.import_model_code(model_dir)
-    # torch.compile's one-time set-up (fxoffload is a torch.compile backend) belongs to the baseline too
-    torch.compile(lambda x: x * 2, backend="eager")(torch.ones(4))
-    emit({"event": "result", "memory": status()})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -163,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         emit({"event": "built", **model.build(args.model_dir, model.llama_config(args.size_gb))})
         return 0
     if args.child == "baseline":
-        child_baseline(args.model_dir)
+        emit({"event": "result", "memory": import_baseline(args.model_dir)})
         return 0
     if args.child:
         child_run(args.child, args.model_dir, args.budget, args.new_tokens)

@@ -5,7 +5,10 @@ Runs in the child only; ``fxoffload_hf.memory`` (and so torch) is imported on fi
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from harness.model import import_model_code
 
 STATUS_KEYS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 PEAK_KEYS = ("RssAnon", "RssFile")
@@ -16,6 +19,20 @@ def status() -> dict[str, int]:
     from fxoffload_hf.memory import process_status
 
     return process_status(STATUS_KEYS)
+
+
+def import_baseline(model_dir: Path) -> dict[str, int]:
+    """This process's memory once it imported what the benchmarks' children import (accelerate,
+    fxoffload_hf's transformers integration, the model's code) and ran torch.compile's one-time set-up
+    (fxoffload is a torch.compile backend), before any model: the baseline a memory limit adds to."""
+    import accelerate  # noqa: F401
+    import torch
+
+    import fxoffload_hf.integrations.transformers  # noqa: F401
+
+    import_model_code(model_dir)
+    torch.compile(lambda x: x * 2, backend="eager")(torch.ones(4))
+    return status()
 
 
 class MemoryMarks:
