@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from harness import cgroup, disk, model, protocol, report, rounds, targets  # noqa: E402
+from harness import cgroup, disk, measure, model, protocol, report, rounds, targets  # noqa: E402
 from harness.children import ChildRun, summarize  # noqa: E402
 
 MiB = 2**20
@@ -276,3 +276,68 @@ def test_peak_sampler_keeps_peaks_overall_and_since_reset():
         sampler.reset()
     assert sampler.peak_all["RssAnon"] >= start + 60 * MiB
     assert sampler.peak["RssAnon"] < sampler.peak_all["RssAnon"] - 30 * MiB  # the window began after the free
+
+
+# --- throughput: batches of prompts of different lengths --------------------------------------------
+
+
+def test_random_prompts_are_seeded_within_their_lengths_and_leave_the_pad_id_out():
+    prompts = measure.random_prompts(vocab=50, count=32, shortest=8, longest=64, seed=0)
+    assert prompts == measure.random_prompts(50, 32, 8, 64, seed=0)
+    assert prompts != measure.random_prompts(50, 32, 8, 64, seed=1)
+    assert len(prompts) == 32 and all(8 <= len(p) <= 64 for p in prompts)
+    assert len({len(p) for p in prompts}) > 1
+    assert all(1 <= token < 50 for p in prompts for token in p)
+
+
+def test_left_padded_batch_pads_and_masks_on_the_left():
+    gen = measure.left_padded([[5, 6, 7], [9]], pad=0)
+    assert gen["input_ids"].tolist() == [[5, 6, 7], [0, 0, 9]]
+    assert gen["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert (gen["do_sample"], gen["pad_token_id"]) == (False, 0)
+
+
+class _CountingLM:
+    """generate() appends ``step + 1`` to every row for each new token, calling the logits processors."""
+
+    def generate(self, input_ids, max_new_tokens, logits_processor, **_):
+        import torch
+
+        out = input_ids
+        for step in range(max_new_tokens):
+            for processor in logits_processor:
+                processor(out, None)
+            out = torch.cat([out, torch.full((out.shape[0], 1), step + 1)], dim=1)
+        return out
+
+
+def test_throughput_counts_every_sequences_new_tokens_in_order(capsys):
+    batches = [measure.left_padded([[5, 6], [7]]), measure.left_padded([[8, 8, 8]])]
+    out = measure.throughput(_CountingLM(), batches, new_tokens=3, clock_phase="measure")
+    assert out["tokens"] == [[1, 2, 3]] * 3  # the prompt (and its padding) cut off, batches in order
+    assert out["tok_s"] == pytest.approx(9 / out["generate_s"])
+    records = [protocol.parse(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["step"] for r in records if r["event"] == "token"] == [1, 2, 3, 1, 2, 3]
+
+
+def test_kv_cache_bytes_of_a_batch():
+    config = model.llama_config(0.5)  # 7 layers of 16 heads of 64, fp32
+    assert model.kv_cache_bytes(config, batch=32, positions=80) == 2 * 7 * 1024 * 4 * 32 * 80
+    assert model.kv_cache_bytes({**config, "num_key_value_heads": 4}, 1, 1) == 2 * 7 * 256 * 4
+
+
+def test_sequences_equal_counts_matching_sequences():
+    assert report.sequences_equal([[1, 2], [3]], [[1, 2], [3]]) == "yes (2/2)"
+    assert report.sequences_equal([[1, 2], [4]], [[1, 2], [3]]) == "NO (1/2)"
+    assert report.sequences_equal([[1, 2]], [[1, 2], [3]]) == "NO (1/2)"
+    assert report.sequences_equal(None, [[1]]) == "-"
+
+
+def test_targets_on_another_rate_key_pair_its_rounds(capsys):
+    batch = run_row(None, tok_s=30.0, tok_s_rounds=[30.0, 20.0, 33.0])
+    one = run_row(None, tok_s=2.0, tok_s_rounds=[2.0, 1.0, 2.0])
+    assert targets.rate(batch, "tok_s") == 30.0
+    line = targets.at_least("tok/s batch / one", batch, one, targets.rate(one, "tok_s"), 16, "tok_s")
+    assert line["value"] == pytest.approx(16.5)  # ratios 15, 20, 16.5; the medians' ratio is 15
+    assert line["pass"] is True and "ratio of medians 15.000" in line["note"]
+    assert targets.rate({"status": "timeout", "tok_s_lower_bound": 1.5}, "tok_s") == 1.5

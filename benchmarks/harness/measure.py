@@ -1,4 +1,5 @@
-"""One measured generation (in a child): a seeded prompt, a warm-up, a timed prefill and greedy generate.
+"""Measured generation (in a child): a seeded prompt, a warm-up, a timed prefill and greedy generate; and
+batches of seeded prompts of different lengths, left-padded, timed as tokens per second of generate.
 
 Token times come through :class:`~harness.protocol.StepClock`, so a parent that kills a slow child still
 knows how far it got.
@@ -7,6 +8,7 @@ knows how far it got.
 from __future__ import annotations
 
 import contextlib
+import random
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -59,6 +61,42 @@ def timed(lm: Any, gen: dict[str, Any], new_tokens: int) -> dict[str, Any]:
         "decode_tok_s": clock.decode_rate(),
         "tokens": out[0, gen["input_ids"].shape[1] :].tolist(),
     }
+
+
+def random_prompts(vocab: int, count: int, shortest: int, longest: int, seed: int) -> list[list[int]]:
+    """``count`` seeded prompts of random ids in ``[1, vocab)`` (0 is left for padding), each of a random
+    length in ``[shortest, longest]``; no torch, so a parent can make the same prompts."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(shortest, longest) for _ in range(count)]
+    return [[rng.randrange(1, vocab) for _ in range(length)] for length in lengths]
+
+
+def left_padded(prompts: list[list[int]], pad: int = 0) -> dict[str, Any]:
+    """Generation arguments of ``prompts`` as one batch, padded on the left with ``pad`` and masked: greedy."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, ids_of in enumerate(prompts):
+        ids[row, width - len(ids_of) :] = torch.tensor(ids_of, dtype=torch.long)
+        mask[row, width - len(ids_of) :] = 1
+    return {"input_ids": ids, "attention_mask": mask, "do_sample": False, "pad_token_id": pad}
+
+
+def throughput(lm: Any, batches: list[dict[str, Any]], new_tokens: int, clock_phase: str) -> dict[str, Any]:
+    """A greedy generate of ``new_tokens`` for each batch in turn: seconds of generate (prefill included),
+    new tokens across all sequences per second, and each sequence's new tokens (batches in order)."""
+    import torch
+
+    seconds, tokens = 0.0, []
+    with torch.no_grad():
+        for gen in batches:
+            start = time.perf_counter()
+            out = generate(lm, gen, new_tokens, StepClock(clock_phase))
+            seconds += time.perf_counter() - start
+            tokens += out[:, gen["input_ids"].shape[1] :].tolist()
+    return {"generate_s": seconds, "tok_s": sum(map(len, tokens)) / seconds, "tokens": tokens}
 
 
 @contextlib.contextmanager

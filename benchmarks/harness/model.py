@@ -47,6 +47,16 @@ def llama_config(
     }
 
 
+def kv_cache_bytes(config: dict[str, Any], batch: int, positions: int) -> int:
+    """Bytes of the key/value cache of ``config`` (a :func:`llama_config`) holding ``positions`` tokens for
+    each of ``batch`` sequences: memory any way of running the model needs beside its weights."""
+    heads = config["num_attention_heads"]
+    head_dim = config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads", heads)
+    per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * DTYPE_BYTES[config["dtype"]]
+    return per_token * batch * positions
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     """The checkpoint's shards, in order."""
     return sorted(model_dir.glob("*.safetensors"))

@@ -48,6 +48,16 @@ def aligned(lines: Sequence[Sequence[str]]) -> list[str]:
     return out
 
 
+def sequences_equal(got: list[list[int]] | None, expected: list[list[int]] | None) -> str:
+    """Whether each sequence's tokens equal the expected ones: ``yes (32/32)``, ``NO (30/32)``, or ``-``
+    when either side is missing."""
+    if got is None or expected is None:
+        return "-"
+    same = sum(a == b for a, b in zip(got, expected, strict=False))
+    verdict = "yes" if same == len(expected) == len(got) else "NO"
+    return f"{verdict} ({same}/{len(expected)})"
+
+
 def table_lines(rows: Sequence[tuple[str, str, Row]], eager_tokens: list[int] | None) -> list[str]:
     """The table of runs, one line per (mode, limit, row); tokens compared with eager's run without a limit."""
     lines = [TABLE_HEADER]

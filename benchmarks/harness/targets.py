@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from harness.report import fmt
-from harness.rounds import ROUND_RATES, Row, paired_ratio
+from harness.rounds import RATE, Row, paired_ratio
 
 
 def ratio_line(name: str, value: float | None, target: str, ok: bool | None, note: str = "") -> Row:
@@ -21,28 +21,31 @@ def within(name: str, value: float, *, least: float | None = None, most: float |
     return ratio_line(name, value, f"<= {most:g}", value <= most)
 
 
-def rate(row: Row | None) -> float | None:
-    """Decode tokens/s of a run, or its lower bound after a timeout."""
+def rate(row: Row | None, key: str = RATE) -> float | None:
+    """A run's rate under ``key`` (decode tokens/s by default), or its lower bound (``key +
+    "_lower_bound"``) after a timeout."""
     if row is None:
         return None
-    return row.get("decode_tok_s") if row.get("status") == "ok" else row.get("decode_tok_s_lower_bound")
+    return row.get(key) if row.get("status") == "ok" else row.get(key + "_lower_bound")
 
 
-def at_least(name: str, row: Row | None, peer_row: Row | None, peer: float | None, least: float) -> Row:
-    """``row``'s rate over ``peer`` (a rate) must be at least ``least``. With ``peer_row`` whose rounds ran
-    beside ``row``'s, the median of the rounds' ratios is judged (the ratio of medians goes in the note).
-    A run that failed fails; a run that timed out is judged on its lower bound."""
+def at_least(
+    name: str, row: Row | None, peer_row: Row | None, peer: float | None, least: float, key: str = RATE
+) -> Row:
+    """``row``'s rate (under ``key``) over ``peer`` (a rate) must be at least ``least``. With ``peer_row``
+    whose rounds ran beside ``row``'s, the median of the rounds' ratios is judged (the ratio of medians goes
+    in the note). A run that failed fails; a run that timed out is judged on its lower bound."""
     target = f">= {least:g}"
     if row is None or peer is None:
         return ratio_line(name, None, target, None)
-    value = rate(row)
+    value = rate(row, key)
     if value is None:
         return ratio_line(name, None, target, False, f" (fxoffload: {row['status']})")
     note = "" if row.get("status") == "ok" else f" (fxoffload lower bound: {row['status']})"
     value /= peer
-    paired = paired_ratio(row, peer_row) if peer_row is not None else None
+    paired = paired_ratio(row, peer_row, key + "_rounds") if peer_row is not None else None
     if paired is not None:
-        note += f" (median of the {len(row[ROUND_RATES])} rounds' ratios; ratio of medians {value:.3f})"
+        note += f" (median of the {len(row[key + '_rounds'])} rounds' ratios; ratio of medians {value:.3f})"
         value = paired
     return ratio_line(name, value, target, value >= least, note)
 
