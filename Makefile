@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench clean
+.PHONY: demo test lint typecheck bench bench-throughput clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: lint typecheck
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_cpu_offload.py
+
+# a batch of 32 prompts against one by one, accelerate and eager (about 10 minutes); not part of bench
+bench-throughput: $(STAMP)
+	$(PY) benchmarks/bench_throughput.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
