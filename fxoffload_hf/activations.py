@@ -20,7 +20,7 @@ import sympy
 import torch
 from torch import fx
 
-from fxoffload_hf.graphs import last_uses
+from fxoffload_hf.graphs import call_inputs, last_uses
 
 _PROBE_SCALES = (1, 2, 8, 64)  # each symbol at these multiples of its capture size, in all combinations
 _MAX_PROBED_SYMBOLS = 4  # beyond that the combinations are too many: probe all symbols scaled together
@@ -58,8 +58,11 @@ class ActivationModel:
 def activation_model(gm: fx.GraphModule, weights: set[fx.Node], at_capture: int) -> ActivationModel:
     """The activation peak of ``gm`` as a function of its size symbols; ``at_capture`` (the peak at the
     capture's sizes) stands for every call when the graph has no symbols or they cannot be read."""
-    live: sympy.Expr = sympy.Integer(0)
-    candidates: set[sympy.Expr] = set()
+    held = [
+        _bytes_expr(n.meta.get("example_value", n.meta.get("val"))) for n in call_inputs(gm.graph, weights)
+    ]
+    live: sympy.Expr = sympy.Add(*held)
+    candidates: set[sympy.Expr] = {live}
     sizes: dict[fx.Node, sympy.Expr] = {}
     frees = last_uses(gm.graph)
     for node in gm.graph.nodes:

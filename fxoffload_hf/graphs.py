@@ -55,10 +55,32 @@ def graph_facts(gm: fx.GraphModule, example_inputs: list[Any]) -> GraphFacts:
     )
 
 
+# dynamo names a placeholder after where it came from: a module's buffers and parameters (counted with
+# the model's small tensors, or streamed) say so; the rest are what the call passed (ids, masks, the KV
+# cache), held by the caller for the whole call
+_MODULE_STATE = ("_buffers_", "_parameters_")
+
+
+def call_inputs(graph: fx.Graph, weight_nodes: set[fx.Node]) -> list[fx.Node]:
+    """The placeholders of ``graph`` that are tensors the call passed, not the model's own."""
+    return [
+        node
+        for node in graph.nodes
+        if node.op == "placeholder"
+        and node not in weight_nodes
+        and isinstance(node.meta.get("example_value", node.meta.get("val")), torch.Tensor)
+        and not any(mark in node.name for mark in _MODULE_STATE)
+    ]
+
+
 def activation_peak(graph: fx.Graph, weight_nodes: set[fx.Node]) -> int:
-    """Peak bytes of live intermediates when ``graph`` runs in order (from fake example values)."""
+    """Peak bytes held while ``graph`` runs in order (from fake example values): the tensors the call
+    passed (a KV cache among them) and the live intermediates."""
     frees = last_uses(graph)
-    live, peak = 0, 0
+    held = sum(
+        value_bytes(n.meta.get("example_value", n.meta.get("val"))) for n in call_inputs(graph, weight_nodes)
+    )
+    live, peak = held, held
     sizes: dict[fx.Node, int] = {}
     for node in graph.nodes:
         if node.op not in ("placeholder", "output", "get_attr") and node not in weight_nodes:

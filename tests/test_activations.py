@@ -90,3 +90,27 @@ def test_a_later_call_with_more_activations_keeps_fewer_weights_and_stays_exact(
     assert graphs == 1  # the same graph served both calls
     assert after > before  # measured for the larger call
     assert engine.memory.fits(activations=after, resident=kept)  # what stays resident left it room
+
+
+def test_the_kv_cache_a_call_passes_is_counted_at_its_length(llama_ckpt):
+    import fxoffload_hf
+
+    folder, eager = llama_ckpt
+    config = eager.config
+    model = fxoffload_hf.from_pretrained(folder, cpu_memory=1_400_000, device="cpu")
+    engine = fxoffload_hf.engine_of(model)
+    ids = torch.randint(0, 1000, (1, 40), generator=torch.Generator().manual_seed(5))
+    try:
+        with torch.no_grad():
+            got = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        decode = min(engine.activation_bytes)  # a one-token step holds little beside the cache
+        graphs = len(engine.runners)
+    finally:
+        fxoffload_hf.restore(model)
+    with torch.no_grad():
+        assert torch.equal(got, eager.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False))
+    head_dim = config.hidden_size // config.num_attention_heads
+    # keys and values of every layer, in fp32: the last step is passed the cache of 44 positions and
+    # builds that of 45 beside it (the caller drops the old one after the call)
+    per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    assert graphs == 2 and decode >= per_position * (44 + 45)
