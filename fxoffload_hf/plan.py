@@ -15,7 +15,7 @@ from torch import fx
 from fxoffload_hf.blocks import BlockRegions, region_counts
 from fxoffload_hf.capture import compile_entry
 from fxoffload_hf.config import RESIDENT_THRESHOLD, BudgetSpec, parse_budgets
-from fxoffload_hf.graphs import activation_peak, only_row_lookups
+from fxoffload_hf.graphs import activation_peak, call_inputs, only_row_lookups
 from fxoffload_hf.memory import free_device_memory, free_host_memory
 from fxoffload_hf.memory_model import (
     BudgetTooSmallError,
@@ -48,6 +48,7 @@ class PlanReport:
     device: str = "cpu"
     blocks_traced: int = 0  # repeated blocks traced by dynamo, and those stamped out from that trace
     blocks_reused: int = 0
+    kv_cache_bytes: int = 0  # generate's cache at batch x seq_len (full attention)
     tradeoff: list[Estimate] = field(default_factory=list)
     error: str | None = None
 
@@ -61,7 +62,9 @@ class PlanReport:
             f"model              {self.model}",
             f"weights            {format_bytes(self.weight_bytes)}",
             f"small resident     {format_bytes(self.resident_small_bytes)} (buffers and small parameters)",
-            f"activation peak    {format_bytes(self.activation_bytes)} (estimated)",
+            f"activation peak    {format_bytes(self.activation_bytes)} (estimated, one forward)",
+            f"KV cache           {format_bytes(self.kv_cache_bytes)} (generate up to that length; a decode "
+            "step holds two)",
             f"budget             {self.budget_name}={format_bytes(self.budget)}",
             f"smallest budget    {format_bytes(self.smallest_budget)} (set by {self.floor_set_by})",
         ]
@@ -183,8 +186,9 @@ def plan_config(
     weights: dict[fx.Node, int] = {}
     labels: dict[fx.Node, str] = {}
     small = 0
+    passed = set(call_inputs(gm.graph, set()))  # the ids: counted with the activations
     for node, value in zip(placeholders, example_inputs, strict=False):
-        if not isinstance(value, torch.Tensor):
+        if not isinstance(value, torch.Tensor) or node in passed:
             continue
         size = nbytes(value.shape, value.element_size())
         if isinstance(value, torch.nn.Parameter) and size >= RESIDENT_THRESHOLD:
@@ -192,7 +196,11 @@ def plan_config(
             labels[node] = names.get(id(value), node.name)
         else:
             small += size
-    activations = activation_peak(gm.graph, set(weights))
+    forward = activation_peak(gm.graph, set(weights))
+    kv = kv_cache_bytes(config, batch, seq_len, _dtype_bytes(model))
+    # generate: the prefill builds the cache beside its activations; a decode step at the last length
+    # holds the cache it was passed and the one it builds
+    activations = max(forward + kv, 2 * kv)
     # on the CPU a table used only for lookups is read by rows from its mapped file
     sizes = {w: 0 if device_type == "cpu" and only_row_lookups(w) else b for w, b in weights.items()}
     memory = MemoryModel.where_it_computes(device_type, gpu_budget, cpu_budget, small)
@@ -201,7 +209,8 @@ def plan_config(
         model=type(model).__name__,
         weight_bytes=sum(weights.values()),
         resident_small_bytes=small,
-        activation_bytes=activations,
+        activation_bytes=forward,
+        kv_cache_bytes=kv,
         budget_name=memory.budget_name,
         budget=memory.budget,
         pieces=[],
@@ -243,6 +252,24 @@ def plan_config(
     return report
 
 
+def kv_cache_bytes(config: Any, batch: int, seq_len: int, itemsize: int) -> int:
+    """Bytes of ``generate``'s key/value cache at ``seq_len`` positions: every layer's keys and values
+    at full attention (sliding windows and state-space layers hold less); 0 if the config does not say."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = getattr(text, "num_hidden_layers", None)
+    heads = getattr(text, "num_attention_heads", None)
+    hidden = getattr(text, "hidden_size", None)
+    if not (isinstance(layers, int) and isinstance(heads, int) and heads > 0):
+        return 0
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if isinstance(hidden, int) else 0)
+    return 2 * layers * batch * kv_heads * head_dim * seq_len * itemsize
+
+
+def _dtype_bytes(model: torch.nn.Module) -> int:
+    return next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+
+
 def _device_type(device: str | None) -> str:
     try:
         kind = torch.device(device or "cpu").type
@@ -276,4 +303,4 @@ def _floor_reason(
     what = (
         f"{labels[heaviest]} ({format_bytes(sizes[heaviest])}) streamed alone" if heaviest else "no weights"
     )
-    return f"{what} + {format_bytes(activations)} of activations + {format_bytes(small)} of small tensors"
+    return f"{what} + {format_bytes(activations)} of activations and KV cache + {format_bytes(small)} of small tensors"

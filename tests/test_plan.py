@@ -23,3 +23,25 @@ def test_planning_traces_one_block_whatever_the_depth(layers):
     # the stamped-out blocks are in the graph the planner cut: every weight is in a piece
     assert report.error is None and len(report.pieces) > 1
     assert sum(report.pieces) == report.weight_bytes
+
+
+def test_the_plan_counts_generates_kv_cache_at_the_length_asked():
+    import transformers as tf
+
+    config = tf.LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=3,
+        vocab_size=1000,
+    )
+    short = plan_config(config, gpu_memory="64MiB", device="cuda", batch=2, seq_len=64)
+    long = plan_config(config, gpu_memory="64MiB", device="cuda", batch=2, seq_len=4096)
+    # keys and values, 3 layers, 2 sequences, 2 key/value heads of 32, fp32
+    assert long.kv_cache_bytes == 2 * 3 * 2 * 2 * 32 * 4096 * 4
+    assert short.kv_cache_bytes == long.kv_cache_bytes // 64
+    # a decode step at 4,096 positions holds the cache it was passed and the one it builds
+    grown = long.smallest_budget - short.smallest_budget
+    assert grown >= 2 * long.kv_cache_bytes - (short.activation_bytes + short.kv_cache_bytes)
+    assert "KV cache" in long.table() and "KV cache" in long.floor_set_by
