@@ -1,4 +1,9 @@
-"""The fxoffload-hf command and the examples, run as a person would, on tiny checkpoints."""
+"""The fxoffload-hf command and the examples, run as a person would, on tiny checkpoints.
+
+Commands that run a model (``generate``, ``demo``) and the examples run in a new interpreter; ``plan``
+and the refusals call the command's ``main`` in this one (each new interpreter costs about 3 s of
+imports here), with its output captured the same way.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,11 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
+
+from fxoffload_hf import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,6 +28,21 @@ def run(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.C
         [sys.executable, "-m", "fxoffload_hf.cli", *args],
         capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
     )  # fmt: skip
+
+
+@pytest.fixture
+def command(capsys):
+    """``command(*args)``: the command's ``main`` in this interpreter, as ``run`` reports it: exit code,
+    stdout and stderr (the environment it changes is put back)."""
+
+    def call(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        with mock.patch.dict(os.environ):
+            code = cli.main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["fxoffload-hf", *args], code, out, err)
+
+    return call
 
 
 def save_tokenizer(folder: Path) -> None:
@@ -39,17 +62,17 @@ def checkpoint(llama_master, tmp_path_factory) -> Path:
     return folder
 
 
-def test_plan_prints_a_table_and_json(checkpoint):
-    done = run("plan", str(checkpoint), "--cpu-memory", "2500000")
+def test_plan_prints_a_table_and_json(checkpoint, command):
+    done = command("plan", str(checkpoint), "--cpu-memory", "2500000")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "pieces" in done.stdout and "smallest budget" in done.stdout
-    done = run("plan", str(checkpoint), "--cpu-memory", "2500000", "--json")
+    done = command("plan", str(checkpoint), "--cpu-memory", "2500000", "--json")
     report = json.loads(done.stdout)
     assert len(report["pieces"]) >= 2 and report["smallest_budget"] <= 2_500_000
 
 
-def test_plan_for_a_gpu_on_a_machine_without_one_shows_the_floor_and_the_tradeoff(checkpoint):
-    done = run(
+def test_plan_for_a_gpu_on_a_machine_without_one_shows_the_floor_and_the_tradeoff(checkpoint, command):
+    done = command(
         "plan", str(checkpoint), "--device", "cuda", "--gpu-memory", "3MB", "--disk-gbps", "1", "--json"
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -61,12 +84,12 @@ def test_plan_for_a_gpu_on_a_machine_without_one_shows_the_floor_and_the_tradeof
     assert budgets[0] == report["smallest_budget"] and budgets == sorted(budgets) and len(budgets) >= 3
     assert speeds == sorted(speeds) and speeds[-1] > speeds[0]  # more budget, fewer bytes streamed
     assert report["tradeoff"][-1]["resident"] == report["weight_bytes"]
-    table = run("plan", str(checkpoint), "--device", "cuda", "--gpu-memory", "3MB").stdout
+    table = command("plan", str(checkpoint), "--device", "cuda", "--gpu-memory", "3MB").stdout
     assert "tokens/s" in table and "set by" in table
 
 
-def test_plan_with_a_budget_too_small_exits_2_and_names_the_smallest(checkpoint):
-    done = run("plan", str(checkpoint), "--cpu-memory", "100000")
+def test_plan_with_a_budget_too_small_exits_2_and_names_the_smallest(checkpoint, command):
+    done = command("plan", str(checkpoint), "--cpu-memory", "100000")
     assert done.returncode == 2
     assert "pass cpu_memory=" in done.stdout
 
@@ -92,9 +115,9 @@ def test_generate_streams_tokens_and_draws_the_timeline(checkpoint, tmp_path):
     assert names == {"copy", "compute"}
 
 
-def test_generate_without_tokenizer_says_so(llama_ckpt):
+def test_generate_without_tokenizer_says_so(llama_ckpt, command):
     folder, _eager = llama_ckpt
-    done = run("generate", str(folder), "--prompt", "hi", "--device", "cpu")
+    done = command("generate", str(folder), "--prompt", "hi", "--device", "cpu")
     assert done.returncode == 2 and "no tokenizer" in done.stderr
 
 
