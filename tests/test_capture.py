@@ -82,6 +82,7 @@ def _same(got, expected) -> bool:
     return got == expected
 
 
+@pytest.mark.slow
 def test_new_lengths_batches_and_call_forms_reuse_the_graphs_captured(llama_dir):
     import transformers as tf
 

@@ -138,6 +138,7 @@ def _line(output: str, pattern: str) -> re.Match[str]:
     return found[0]
 
 
+@pytest.mark.slow
 def test_demo_runs_on_a_small_checkpoint(tmp_path):
     done = run(
         "demo", "--size", "0.02", "--max-new-tokens", "3", env={"XDG_CACHE_HOME": str(tmp_path)}, timeout=600
@@ -186,7 +187,10 @@ def test_demo_runs_on_a_small_checkpoint(tmp_path):
             "cpu",
         ],
         ["plan_only.py", "{ckpt}", "--cpu-memory", "1500000"],
-        ["plan_only.py", "--llama-70b", "--gpu-memory", "24GiB", "--seq-len", "16"],
+        pytest.param(
+            ["plan_only.py", "--llama-70b", "--gpu-memory", "24GiB", "--seq-len", "16"],
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["run_llm", "pipeline", "plan_only", "plan_only_70b"],
 )

@@ -316,6 +316,7 @@ def test_example_runs_on_a_tiny_model(tmp_path, reference):
     assert torch.equal(saved["logits"], reference(saved["ids"]))
 
 
+@pytest.mark.slow
 def test_two_process_ddp_predict_equals_one_process_without_offload(tmp_path, reference):
     _run_example(["--devices", "2", "--strategy", "ddp", "--save-dir", str(tmp_path)])
     parts = [torch.load(tmp_path / f"predictions-rank{r}.pt") for r in (0, 1)]

@@ -33,6 +33,7 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 _PASS_RE = re.compile(r"pass (gpu_memory|cpu_memory)=(\d+)")
+pytestmark = pytest.mark.slow  # 13 and 24 s here
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,12 @@ from __future__ import annotations
 import gc
 
 import psutil
+import pytest
 import torch
 
 import fxoffload_hf
+
+pytestmark = pytest.mark.slow  # each runs hundreds of calls or a dozen captures: 10 to 16 s here
 
 # mlp, mlp_case, build_model, weight_bytes: conftest.py
 
