@@ -7,6 +7,7 @@ named undo record as it is made, and ``restore`` (or a failed install) undoes th
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import time
 from collections.abc import Mapping
@@ -323,6 +324,7 @@ def _wrap_entry(
             return original(*args, **kwargs)
         with engine.lock, eager_paths.inside():
             engine.call_started = time.perf_counter()
+            graphs = len(engine.runners)
             try:
                 return compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as exc:
@@ -331,6 +333,11 @@ def _wrap_entry(
                 if isinstance(inner, ValueError):
                     raise inner from None
                 raise
+            finally:
+                if len(engine.runners) != graphs:
+                    # capture leaves the call's tensors (a KV cache of hundreds of MiB) in reference
+                    # cycles of dynamo's state: free them now, not at Python's next collection
+                    gc.collect()
 
     undo.append(PatchedAttribute(target, attr, attr in target.__dict__, target.__dict__.get(attr)))
     setattr(target, attr, run)

@@ -96,3 +96,24 @@ def test_many_recompilations_never_give_silent_nan(mlp, weight_bytes):
                 assert torch.equal(out, eager(x)), f"rank {rank}: wrong output (NaN: {out.isnan().any()})"
     finally:
         fxoffload_hf.restore(model)
+
+
+def test_a_capturing_call_does_not_keep_its_kv_cache_alive(build_model, weight_bytes):
+    import weakref
+
+    import transformers as tf
+
+    model = build_model("llama")
+    fxoffload_hf.offload(model, cpu_memory=weight_bytes(model) // 2, device="cpu")
+    ids = torch.randint(0, 1000, (3, 9), generator=torch.Generator().manual_seed(0))
+    gc.disable()  # only reference counting: what a cycle holds would stay until Python's next collection
+    try:
+        cache = tf.DynamicCache(config=model.config)
+        with torch.no_grad():
+            out = model(ids, past_key_values=cache, use_cache=True)
+        keys = weakref.ref(out.past_key_values.layers[0].keys)
+        del out, cache
+        assert keys() is None, "the cache outlived the call that captured its graph"
+    finally:
+        gc.enable()
+        fxoffload_hf.restore(model)
