@@ -196,7 +196,6 @@ def check_offloaded(
     record: dict[str, Any],
 ) -> dict[str, Any]:
     """Load offloaded, compare; the status and its facts. Failures become refused / error records."""
-    import torch
 
     import fxoffload_hf
 
@@ -206,14 +205,9 @@ def check_offloaded(
         warnings.simplefilter("always")
         model = None
         try:
-            model, first = load(fxoffload_hf, auto, folder, budget, inputs, record)
-            with torch.no_grad():
-                phase("forward")
-                second = output_of(model(**inputs))
-                tokens = None
-                if reference["tokens"] is not None:
-                    phase("generate")
-                    tokens = greedy(model, inputs)
+            model, first, second, tokens = load(
+                fxoffload_hf, auto, folder, budget, inputs, record, reference["tokens"] is not None
+            )
             result = compare(reference, first, second, tokens)
             result.update(engine_facts(fxoffload_hf, model))
         except Exception as exc:  # noqa: BLE001 - every failure is a finding
@@ -250,14 +244,22 @@ def dynamo_control(auto: Any, folder: Path, inputs: dict[str, Any], expected: An
 
 
 def load(
-    fxoffload_hf: Any, auto: Any, folder: Path, budget: int, inputs: dict[str, Any], record: dict[str, Any]
-) -> tuple[Any, Any]:
-    """The offloaded model at ``budget`` and its first (profiled) output. A budget refused as too small
-    (at load or at the first call) is tried again (twice at most) at exactly the smallest budget the refusal names."""
+    fxoffload_hf: Any,
+    auto: Any,
+    folder: Path,
+    budget: int,
+    inputs: dict[str, Any],
+    record: dict[str, Any],
+    generate: bool,
+) -> tuple[Any, Any, Any, Any]:
+    """The offloaded model at ``budget``, its two forward outputs (the profiled call, the planned one) and
+    its greedy tokens (None unless ``generate``). A budget refused as too small is tried again (three
+    times at most) at exactly the smallest budget the refusal names."""
     import torch
 
-    # a refusal at load counts the weights alone; one at the first call adds the activations: follow both
-    for attempt in range(3):
+    # a refusal at load counts the weights alone, one at the first call adds the activations, one at
+    # generate's calls the KV cache they pass: follow each
+    for attempt in range(4):
         record["budget"] = budget
         model = None
         where = "load"
@@ -269,11 +271,20 @@ def load(
             where = "first call"
             phase(where)
             with torch.no_grad():
-                return model, output_of(model(**inputs))
+                first = output_of(model(**inputs))
+                where = "forward"
+                phase(where)
+                second = output_of(model(**inputs))
+                tokens = None
+                if generate:
+                    where = "generate"
+                    phase(where)
+                    tokens = greedy(model, inputs)
+            return model, first, second, tokens
         except fxoffload_hf.BudgetTooSmallError as exc:
             if model is not None:
                 fxoffload_hf.restore(model)
-            if attempt == 2:
+            if attempt == 3:
                 raise
             record.setdefault("budget_raised_from", budget)
             record["first_refusal"] = {
