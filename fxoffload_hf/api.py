@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from fxoffload_hf import eager_paths
-from fxoffload_hf.blocks import BlockRegions
 from fxoffload_hf.capture import (
     HANDLE_ATTR,
     GhostHandle,
@@ -125,10 +124,10 @@ def offload(
         _guard_modules(model, holders, engine, undo)
         _take_eager_code_paths(model, undo)
         undo.append(eager_paths.EagerPaths())
-        regions = BlockRegions()
-        undo.extend(regions.mark(model))
+        # repeated blocks are not stamped out here (``blocks``): dynamo's reuse check let a wrong trace
+        # through on one architecture (NeoMME), and exactness comes first; ``plan`` uses them
         for entry in entry_points:
-            _wrap_entry(model, entry, engine, regions, undo)
+            _wrap_entry(model, entry, engine, undo)
     except BaseException:
         _undo(undo)
         if engine is not None:
@@ -306,16 +305,14 @@ def _take_eager_code_paths(model: nn.Module, undo: list[Undo]) -> None:
                 setattr(owner, attr, eager)
 
 
-def _wrap_entry(
-    model: nn.Module, entry: str, engine: Engine, regions: BlockRegions, undo: list[Undo]
-) -> None:
+def _wrap_entry(model: nn.Module, entry: str, engine: Engine, undo: list[Undo]) -> None:
     """Route ``model.<entry>`` through the engine (compiled with it as the backend)."""
     target = model
     for part in entry.split(".")[:-1]:
         target = getattr(target, part)
     attr = entry.split(".")[-1]
     original = getattr(target, attr)
-    compiled = compile_entry(original, engine, regions)
+    compiled = compile_entry(original, engine)
 
     @functools.wraps(original)
     def run(*args: Any, **kwargs: Any) -> Any:

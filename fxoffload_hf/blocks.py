@@ -51,7 +51,8 @@ class BlockRegions:
             plain = type(block).forward
             if plain not in forwards:
                 forwards[plain] = self._dispatch(plain)
-            undo.append(PatchedAttribute(block, "forward", False, None))
+            had = "forward" in block.__dict__
+            undo.append(PatchedAttribute(block, "forward", had, block.__dict__.get("forward")))
             block.forward = types.MethodType(forwards[plain], block)  # type: ignore[method-assign]
             self.blocks.append(block)
         return undo
@@ -72,27 +73,49 @@ class BlockRegions:
 
 def repeated_blocks(model: nn.Module) -> Iterator[nn.Module]:
     """Children of a ``ModuleList`` or ``Sequential`` that share their class and parameter shapes with at
-    least one sibling and have no forward of their own set on the instance. Only blocks (modules made
+    least one sibling and have no other forward set on the instance. Only blocks (modules made
     of modules, holding weights) count: a list of single layers gains nothing from being stamped out."""
     for container in model.modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
         alike: dict[tuple[Any, ...], list[nn.Module]] = defaultdict(list)
         for child in container:
-            if "forward" not in child.__dict__ and _is_block(child):
+            if not _has_own_forward(child) and _is_block(child):
                 alike[_signature(child)].append(child)
         for group in alike.values():
             if len(group) > 1:
                 yield from group
 
 
+def _has_own_forward(module: nn.Module) -> bool:
+    """A forward set on the instance other than its class's own bound to it (accelerate's hooks leave
+    that behind when they are removed, as after Transformers' loading)."""
+    own = module.__dict__.get("forward")
+    return own is not None and getattr(own, "__func__", None) is not type(module).forward
+
+
 def _is_block(module: nn.Module) -> bool:
     return any(True for _ in module.children()) and any(True for _ in module.parameters())
 
 
+# attributes that tell blocks apart without changing what a call without state computes
+_POSITION_ATTRS = frozenset({"layer_idx", "layer_id", "layer_number", "block_idx", "idx", "training"})
+
+
 def _signature(block: nn.Module) -> tuple[Any, ...]:
+    """Class, parameter shapes, and every plain attribute of the block's modules but its position: blocks
+    of one class that differ in a flag (local or global attention, a layer type) are not alike. Dynamo
+    would check such flags before it reuses a trace; grouping by them does not rely on that check."""
     params = tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters())
-    return (type(block), params)
+    flags = tuple(
+        (name, attr, value)
+        for name, module in block.named_modules()
+        for attr, value in sorted(vars(module).items())
+        if attr not in _POSITION_ATTRS
+        and not attr.startswith("_")
+        and isinstance(value, (bool, int, float, str))
+    )
+    return (type(block), params, flags)
 
 
 def stateless(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

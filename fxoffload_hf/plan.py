@@ -120,7 +120,16 @@ def capture_on_meta(model: torch.nn.Module, *inputs: Any) -> MetaCapture:
     try:
         compiled = compile_entry(model.forward, backend, regions)
         with torch.no_grad():
-            compiled(*inputs, use_cache=False)
+            try:
+                compiled(*inputs, use_cache=False)
+            except Exception:
+                # a stamped-out block that does not fit its call (dynamo's reuse check is not airtight):
+                # meta tensors have no side effects, so capture again without the regions
+                if not regions.give_up():
+                    raise
+                captured.clear()
+                torch._dynamo.reset()
+                compiled(*inputs, use_cache=False)
         traced, reused = region_counts()
     finally:
         torch._dynamo.reset()
