@@ -134,14 +134,14 @@ _TABLES = ("embed_tokens.weight", "wte.weight", "wpe.weight")
 
 def _read_by_rows(engine, name: str) -> bool:
     """An embedding table (untied: used only for lookups) read in place from its file: only the rows
-    looked up are brought in, so it never counts whole (an independent reading of the planner's rule)."""
+    looked up are brought in, so it never counts whole in a piece (an independent reading of the
+    planner's rule). Kept resident later or not: the pieces were sized before the profile chose."""
     record = engine.store.records[name]
     return (
         name.endswith(_TABLES)
         and not record.aliases
         and record.disk is not None
         and record.host is None
-        and record.resident is None
         and record.disk.dtype == record.dtype
     )
 
