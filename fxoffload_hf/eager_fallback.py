@@ -21,31 +21,6 @@ from torch import nn
 from fxoffload_hf.capture import handle_of
 from fxoffload_hf.memory_model import format_bytes
 
-# The key of our hooks in every module's hook dicts. ``register_forward_hook`` would give each module's
-# hook a key of its own, and dynamo guards on the keys: two blocks alike but for their hooks' keys would
-# not share one trace (``blocks``).
-_HOOK_KEY = -0x0FF10AD
-
-
-class _KeyedHooks:
-    """A forward pre-hook and an always-called forward hook under ``_HOOK_KEY``; ``remove`` takes them off."""
-
-    def __init__(self, module: nn.Module, before: Any, after: Any) -> None:
-        if _HOOK_KEY in module._forward_pre_hooks:
-            raise ValueError(f"{type(module).__name__} already carries fxoffload_hf's hooks")
-        self.module = module
-        module._forward_pre_hooks[_HOOK_KEY] = before
-        module._forward_hooks[_HOOK_KEY] = after
-        module._forward_hooks_always_called[_HOOK_KEY] = True
-
-    def remove(self) -> None:
-        for hooks in (
-            self.module._forward_pre_hooks,
-            self.module._forward_hooks,
-            self.module._forward_hooks_always_called,
-        ):
-            hooks.pop(_HOOK_KEY, None)
-
 
 class EagerFallbackWarning(UserWarning):
     """A module with offloaded weights ran eagerly: exact, but its weights were read without prefetch."""
@@ -69,7 +44,10 @@ class EagerWeights:
         trace either, which gives the weights around the call."""
         if getattr(module.forward, "_torchdynamo_disable", False):
             return [_EagerForward(module, self)]
-        return [_KeyedHooks(module, self.before, self.after)]
+        return [
+            module.register_forward_pre_hook(self.before),
+            module.register_forward_hook(self.after, always_call=True),
+        ]
 
     def before(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_dynamo_compiling():

@@ -20,7 +20,6 @@ import torch
 from torch import fx
 
 from fxoffload_hf.activations import ActivationModel, activation_model
-from fxoffload_hf.blocks import region_counts
 from fxoffload_hf.config import OffloadConfig
 from fxoffload_hf.graphs import capture_device, graph_facts, retarget_devices
 from fxoffload_hf.loaders import DeviceOps, InlineReader, ThreadedReader, make_loader
@@ -141,16 +140,13 @@ class Engine:
     def _report_capture(
         self, gm: fx.GraphModule, weights: dict[fx.Node, int], pieces: int, received: float
     ) -> None:
-        traced, stamped = region_counts()
-        blocks = f"; repeated blocks: {traced} traced, {stamped} stamped out" if stamped else ""
         report(
-            "graph %d captured %.1f s into the call: %d ops, %d weights (%s)%s; cut into %d pieces in %.1f s",
+            "graph %d captured %.1f s into the call: %d ops, %d weights (%s); cut into %d pieces in %.1f s",
             len(self.runners),
             received - self.call_started,
             len(gm.graph.nodes),
             len(weights),
             format_bytes(sum(weights.values())),
-            blocks,
             pieces,
             time.perf_counter() - received,
         )
