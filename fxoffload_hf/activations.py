@@ -20,7 +20,7 @@ import sympy
 import torch
 from torch import fx
 
-from fxoffload_hf.graphs import call_inputs, last_uses
+from fxoffload_hf.graphs import call_inputs, last_uses, traced_value
 
 _PROBE_SCALES = (1, 2, 8, 64)  # each symbol at these multiples of its capture size, in all combinations
 _MAX_PROBED_SYMBOLS = 4  # beyond that the combinations are too many: probe all symbols scaled together
@@ -58,16 +58,14 @@ class ActivationModel:
 def activation_model(gm: fx.GraphModule, weights: set[fx.Node], at_capture: int) -> ActivationModel:
     """The activation peak of ``gm`` as a function of its size symbols; ``at_capture`` (the peak at the
     capture's sizes) stands for every call when the graph has no symbols or they cannot be read."""
-    held = [
-        _bytes_expr(n.meta.get("example_value", n.meta.get("val"))) for n in call_inputs(gm.graph, weights)
-    ]
+    held = [_bytes_expr(traced_value(n)) for n in call_inputs(gm.graph, weights)]
     live: sympy.Expr = sympy.Add(*held)
     candidates: set[sympy.Expr] = {live}
     sizes: dict[fx.Node, sympy.Expr] = {}
     frees = last_uses(gm.graph)
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "output", "get_attr") and node not in weights:
-            sizes[node] = _bytes_expr(node.meta.get("example_value", node.meta.get("val")))
+            sizes[node] = _bytes_expr(traced_value(node))
             if sizes[node] != 0:
                 live = live + sizes[node]
                 candidates.add(live)
@@ -110,7 +108,7 @@ def _symbol_sources(gm: fx.GraphModule) -> dict[sympy.Symbol, tuple[int, int | N
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     found: dict[sympy.Symbol, tuple[int, int | None, int]] = {}
     for position, node in enumerate(placeholders):
-        traced = node.meta.get("example_value", node.meta.get("val"))
+        traced = traced_value(node)
         # hints, never int() of a symbolic size: that would add a guard and specialise the graph
         if isinstance(traced, torch.SymInt) and isinstance(traced.node.expr, sympy.Symbol):
             found.setdefault(traced.node.expr, (position, None, int(traced.node.hint)))

@@ -61,6 +61,11 @@ def graph_facts(gm: fx.GraphModule, example_inputs: list[Any]) -> GraphFacts:
 _MODULE_STATE = ("_buffers_", "_parameters_")
 
 
+def traced_value(node: fx.Node) -> Any:
+    """The fake value dynamo traced for ``node`` (sizes symbolic where they are)."""
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
 def call_inputs(graph: fx.Graph, weight_nodes: set[fx.Node]) -> list[fx.Node]:
     """The placeholders of ``graph`` that are tensors the call passed, not the model's own."""
     return [
@@ -68,7 +73,7 @@ def call_inputs(graph: fx.Graph, weight_nodes: set[fx.Node]) -> list[fx.Node]:
         for node in graph.nodes
         if node.op == "placeholder"
         and node not in weight_nodes
-        and isinstance(node.meta.get("example_value", node.meta.get("val")), torch.Tensor)
+        and isinstance(traced_value(node), torch.Tensor)
         and not any(mark in node.name for mark in _MODULE_STATE)
     ]
 
@@ -77,14 +82,12 @@ def activation_peak(graph: fx.Graph, weight_nodes: set[fx.Node]) -> int:
     """Peak bytes held while ``graph`` runs in order (from fake example values): the tensors the call
     passed (a KV cache among them) and the live intermediates."""
     frees = last_uses(graph)
-    held = sum(
-        value_bytes(n.meta.get("example_value", n.meta.get("val"))) for n in call_inputs(graph, weight_nodes)
-    )
+    held = sum(value_bytes(traced_value(n)) for n in call_inputs(graph, weight_nodes))
     live, peak = held, held
     sizes: dict[fx.Node, int] = {}
     for node in graph.nodes:
         if node.op not in ("placeholder", "output", "get_attr") and node not in weight_nodes:
-            sizes[node] = value_bytes(node.meta.get("example_value", node.meta.get("val")))
+            sizes[node] = value_bytes(traced_value(node))
             live += sizes[node]
             peak = max(peak, live)
         for value in frees.get(node, ()):
