@@ -15,6 +15,7 @@ alias inputs), ``BlockRegions.give_up`` turns them off for the model and the cal
 
 from __future__ import annotations
 
+import sys
 import types
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -55,6 +56,8 @@ class BlockRegions:
             undo.append(PatchedAttribute(block, "forward", had, block.__dict__.get("forward")))
             block.forward = types.MethodType(forwards[plain], block)  # type: ignore[method-assign]
             self.blocks.append(block)
+        if self.blocks:
+            undo.extend(_stateless_kernel_dispatch(model))
         return undo
 
     def _dispatch(self, plain: Callable[..., Any]) -> Callable[..., Any]:
@@ -69,6 +72,37 @@ class BlockRegions:
             return plain(module, *args, **kwargs)
 
         return forward
+
+
+class _NoKernelFunctions:
+    """A stand-in for the ``kernels`` package's registry of active kernel functions that holds nothing."""
+
+    def get(self) -> None:
+        return None
+
+    def set(self, value: object) -> None:
+        return None
+
+    def reset(self, token: object) -> None:
+        return None
+
+
+def _stateless_kernel_dispatch(model: nn.Module) -> list[Undo]:
+    """With the ``kernels`` package installed, Transformers (5.25 on) wraps attention forwards in a
+    dispatcher that, under compile, writes a module global on every call and restores it after: a side
+    effect, so dynamo would trace every block anew. While none of the model's kernel functions has been
+    kernelized, that dispatch always ends in the plain function; a registry that holds nothing gives the
+    same ops without the write."""
+    registry_module = sys.modules.get("kernels._internals.layer.layer")
+    if registry_module is None or not hasattr(registry_module, "_ACTIVE_KERNEL_FUNCS"):
+        return []
+    for module in model.modules():
+        for function in module.__dict__.get("_kernel_funcs", {}).values():
+            if getattr(function.forward, "__func__", None) is not type(function).forward:
+                return []  # a kernelized function: its dispatch must stay
+    original = registry_module._ACTIVE_KERNEL_FUNCS
+    registry_module._ACTIVE_KERNEL_FUNCS = _NoKernelFunctions()  # type: ignore[attr-defined]
+    return [PatchedAttribute(registry_module, "_ACTIVE_KERNEL_FUNCS", True, original)]
 
 
 def repeated_blocks(model: nn.Module) -> Iterator[nn.Module]:

@@ -58,7 +58,7 @@ class MovedBuffer:
 
 @dataclass(frozen=True)
 class PatchedAttribute:
-    """A method set on an instance (an entry point, a module's ``_apply``)."""
+    """An attribute set on an object (an entry point, a module's ``_apply``, a package global)."""
 
     owner: Any
     attr: str

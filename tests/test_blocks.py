@@ -86,6 +86,44 @@ def test_a_forward_without_cache_traces_one_block_whatever_the_depth(layers):
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)
 
 
+def _llama_with_kernel_functions():
+    import transformers as tf
+
+    kernels_layer = pytest.importorskip("kernels._internals.layer.layer")
+    config = tf.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2, vocab_size=100
+    )
+    model = tf.LlamaForCausalLM(config).eval()
+    if not any("_kernel_funcs" in m.__dict__ for m in model.modules()):
+        pytest.skip("this Transformers does not route functions through the kernels package")
+    return kernels_layer, model
+
+
+def test_the_kernels_registry_is_held_empty_while_blocks_are_marked_and_given_back():
+    # Transformers 5.25 with `kernels` installed: the registry's writes are side effects that keep
+    # dynamo from stamping out blocks (the depth test above covers the counts)
+    kernels_layer, model = _llama_with_kernel_functions()
+    registry = kernels_layer._ACTIVE_KERNEL_FUNCS
+    undo = BlockRegions().mark(model)
+    assert kernels_layer._ACTIVE_KERNEL_FUNCS is not registry
+    assert kernels_layer._ACTIVE_KERNEL_FUNCS.get() is None
+    for record in reversed(undo):
+        record.undo()
+    assert kernels_layer._ACTIVE_KERNEL_FUNCS is registry
+
+
+def test_a_kernelized_function_keeps_its_dispatch():
+    kernels_layer, model = _llama_with_kernel_functions()
+    registry = kernels_layer._ACTIVE_KERNEL_FUNCS
+    attention = next(m for m in model.modules() if "_kernel_funcs" in m.__dict__)
+    function = next(iter(attention._kernel_funcs.values()))
+    function.forward = lambda *args, **kwargs: None  # what kernelize does: another forward on the instance
+    undo = BlockRegions().mark(model)
+    assert kernels_layer._ACTIVE_KERNEL_FUNCS is registry
+    for record in reversed(undo):
+        record.undo()
+
+
 def test_a_block_dynamo_cannot_capture_as_a_region_is_captured_plain():
     import transformers as tf
 
