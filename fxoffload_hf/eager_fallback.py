@@ -12,18 +12,31 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from fxoffload_hf.capture import handle_of
+from fxoffload_hf.mapped_io import MappedGroup
 from fxoffload_hf.memory_model import format_bytes
+from fxoffload_hf.weights import WeightRecord, WeightStore
 
 
 class EagerFallbackWarning(UserWarning):
     """A module with offloaded weights ran eagerly: exact, but its weights were read without prefetch."""
+
+
+@dataclass
+class _Lent:
+    """What one eager call of a module was lent: each ghost with what it held before, and the mapped
+    file pages its views use."""
+
+    swapped: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
+    mapped: tuple[WeightStore, MappedGroup] | None = None
 
 
 class EagerWeights:
@@ -33,8 +46,10 @@ class EagerWeights:
         self.names = dict(names)
         self.lock = lock
         self.warned: set[nn.Module] = set()
-        # per module, a stack (calls may nest) of the ghosts given values and what they held before
-        self._swapped: dict[nn.Module, list[list[tuple[nn.Parameter, torch.Tensor]]]] = {}
+        self.warn = True  # off while the engine runs a call eagerly on purpose
+        # per module, a stack (calls may nest) of what each call was lent
+        self._lent: dict[nn.Module, list[_Lent]] = {}
+        self._groups: weakref.WeakKeyDictionary[nn.Module, MappedGroup] = weakref.WeakKeyDictionary()
 
     def install(self, module: nn.Module) -> list[Any]:
         """Attach the hooks to ``module``; the removable handles.
@@ -53,38 +68,68 @@ class EagerWeights:
         if torch.compiler.is_dynamo_compiling():
             return
         self.lock.acquire()  # released by ``after``, which runs even when the forward raises
-        swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
+        lent = _Lent()
         lends_grad_flag = not torch.is_grad_enabled()
-        self._swapped.setdefault(module, []).append(swapped)
+        self._lent.setdefault(module, []).append(lent)
         try:
-            for ghost in _ghosts(module):
-                handle = handle_of(ghost)
-                assert handle is not None
-                value = handle.store.read(handle.record).to(ghost.device, ghost.dtype)
-                swapped.append((ghost, ghost.data))
+            ghosts = _ghosts(module)
+            for ghost, value in zip(ghosts, self._values(module, ghosts, lent), strict=True):
+                lent.swapped.append((ghost, ghost.data))
                 ghost.data = value
                 if lends_grad_flag:  # as the runner's weights do (``loaders.as_parameters``)
-                    ghost.requires_grad_(handle.record.requires_grad)
-            self._warn_once(module, sum(g.numel() * g.element_size() for g, _ in swapped))
+                    ghost.requires_grad_(_record(ghost).requires_grad)
+            if self.warn:
+                self._warn_once(module, sum(g.numel() * g.element_size() for g, _ in lent.swapped))
         except BaseException:
             self._release(module)
             raise
 
+    def _values(self, module: nn.Module, ghosts: list[nn.Parameter], lent: _Lent) -> list[torch.Tensor]:
+        """The values of ``ghosts`` for one call: kept ones as they are, weights whose file bytes can
+        serve as they lie (the CPU) as views of the file's pages (no copy; unmapped by ``after``, as the
+        runner's loads are), the others read."""
+        values: dict[int, torch.Tensor] = {}
+        in_place: list[int] = []
+        for i, ghost in enumerate(ghosts):
+            handle = handle_of(ghost)
+            assert handle is not None
+            record, store = handle.record, handle.store
+            if record.resident is not None:
+                values[i] = record.resident
+            elif ghost.device.type == "cpu" and record.host is None and record.in_place:
+                in_place.append(i)
+            else:
+                values[i] = store.read(record).to(ghost.device, ghost.dtype)
+        if in_place:
+            store = handle_of(ghosts[in_place[0]]).store  # type: ignore[union-attr]
+            group = self._groups.get(module)
+            if group is None or not store.files.is_current(group):
+                sources = [_record(ghosts[i]).disk for i in in_place]
+                group = self._groups[module] = store.files.group(sources, [True] * len(sources))  # type: ignore[arg-type]
+            store.files.acquire(group)
+            lent.mapped = (store, group)
+            values.update(zip(in_place, group.views, strict=True))
+        return [values[i] for i in range(len(ghosts))]
+
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         # dynamo may trace a module's pre-hook and leave its post-hook to run eagerly (a graph break
         # inside the call): only a call whose pre-hook gave values has any to take back
-        if torch.compiler.is_dynamo_compiling() or not self._swapped.get(module):
+        if torch.compiler.is_dynamo_compiling() or not self._lent.get(module):
             return
         self._release(module)
 
     def _release(self, module: nn.Module) -> None:
         try:
-            stack = self._swapped[module]
-            for ghost, held in reversed(stack.pop()):
+            stack = self._lent[module]
+            lent = stack.pop()
+            for ghost, held in reversed(lent.swapped):
                 ghost.data = held
                 ghost.requires_grad_(False)
+            if lent.mapped is not None:
+                store, group = lent.mapped
+                store.files.release_groups([group], store.drop_cache)
             if not stack:
-                del self._swapped[module]
+                del self._lent[module]
         finally:
             self.lock.release()
 
@@ -127,6 +172,12 @@ class _EagerForward:
             self.module.forward = self.old  # type: ignore[method-assign,assignment]
         else:
             self.module.__dict__.pop("forward", None)
+
+
+def _record(ghost: nn.Parameter) -> WeightRecord:
+    handle = handle_of(ghost)
+    assert handle is not None
+    return handle.record
 
 
 def _ghosts(module: nn.Module) -> list[nn.Parameter]:

@@ -173,3 +173,25 @@ def test_weights_read_by_eager_code_resumed_inside_a_module_are_its_weights(weig
             assert torch.equal(model(x), expected)
     finally:
         fxoffload_hf.restore(model)
+
+
+def test_a_module_called_directly_reads_its_weights_in_place_from_the_checkpoint(tmp_path, save_checkpoint):
+    # on the CPU, eager calls use views of the checkpoint's mapped pages, as the runner's loads do: no
+    # copy of the weight is made, and the pages are let go after the call
+    eager = save_checkpoint("llama", tmp_path)
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="1MiB", device="cpu")
+    try:
+        mlp, expected_mlp = model.model.layers[1].mlp, eager.model.layers[1].mlp
+        seen = []
+        mlp.down_proj.register_forward_pre_hook(
+            lambda m, _: seen.append(m.weight.untyped_storage().nbytes() > m.weight.nbytes)
+        )
+        x = torch.randn(2, 5, 128, generator=torch.Generator().manual_seed(3))
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore", EagerFallbackWarning)
+            assert torch.equal(mlp(x), expected_mlp(x))
+        assert seen == [True]  # a view into the mapped file, not a tensor of its own
+        assert not +fxoffload_hf.engine_of(model).store.files._held  # every page let go
+        assert _ghosts_are_ghosts(model)
+    finally:
+        fxoffload_hf.restore(model)
