@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-throughput clean
+.PHONY: demo test lint typecheck bench bench-throughput bench-cold clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ bench: $(STAMP)
 # a batch of 32 prompts against one by one, accelerate and eager (about 10 minutes); not part of bench
 bench-throughput: $(STAMP)
 	$(PY) benchmarks/bench_throughput.py
+
+# load + the first generate in fresh processes: eager, accelerate, fxoffload first-call and deferred (about 3 minutes)
+bench-cold: $(STAMP)
+	$(PY) benchmarks/bench_cold_start.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

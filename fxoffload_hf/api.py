@@ -67,6 +67,7 @@ def offload(
     device: str | torch.device | None = None,
     policy: str = "auto",
     compile: str | None = None,
+    capture: str = "first-call",
     checkpoint: Mapping[str, TensorSlice] | None = None,
     entry_points: tuple[str, ...] = ("forward",),
 ) -> nn.Module:
@@ -84,6 +85,12 @@ def offload(
             ``"sequential"`` (stream every piece, keep nothing resident).
         compile: compile each piece: ``"inductor"`` (CPU or GPU) or ``"tensorrt"`` (NVIDIA, with the
             ``tensorrt`` extra installed; without it a warning and the eager pieces).
+        capture: ``"first-call"`` captures and plans each entry point at its first call. ``"deferred"``
+            runs calls eagerly first, each module's weights lent for its call as accelerate's hooks do
+            (read in place from the checkpoint on the CPU), until they have taken about as long as
+            capture would, then captures: a short job's first answer comes without capture's wait, a
+            long one gets the streamed schedule. Eager calls are exact; their activations are not
+            checked against the budget (a captured call's are).
         checkpoint: parameter name → where its bytes lie in a safetensors file, for parameters on the
             meta device (used by ``from_pretrained``).
         entry_points: methods of ``model`` to run through the engine.
@@ -101,6 +108,7 @@ def offload(
         device=device,
         policy=policy,
         compile=compile,
+        capture=capture,
     )
     checkpoint = checkpoint or {}
     large, small = _split_parameters(model, config, checkpoint)
@@ -277,7 +285,7 @@ def _guard_modules(model: nn.Module, holders: set[nn.Module], engine: Engine, un
     """Give ghosts their values when their module runs eagerly, convert ghosts on ``.to()``, refuse
     state-dict loads."""
     names = {module: name for name, module in model.named_modules(remove_duplicate=False)}
-    eager = EagerWeights({m: names.get(m, "") for m in holders}, engine.lock)
+    eager = engine.eager_weights = EagerWeights({m: names.get(m, "") for m in holders}, engine.lock)
     for module in holders:
         undo.extend(AttachedHook(handle) for handle in eager.install(module))
         undo.append(
@@ -320,6 +328,8 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, undo: list[Undo]) 
             # traced as part of another entry point (an encoder inside the full forward): inline it
             return original(*args, **kwargs)
         with engine.lock, eager_paths.inside():
+            if engine.deferring:
+                return _run_eagerly(engine, original, args, kwargs)
             engine.call_started = time.perf_counter()
             graphs = len(engine.runners)
             try:
@@ -338,6 +348,23 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, undo: list[Undo]) 
 
     undo.append(PatchedAttribute(target, attr, attr in target.__dict__, target.__dict__.get(attr)))
     setattr(target, attr, run)
+
+
+def _run_eagerly(engine: Engine, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """One call of an entry point as eager code, before capture (``capture="deferred"``): the eager
+    fallback hooks lend each module its weights, without their warning (this is on purpose)."""
+    eager = engine.eager_weights
+    lent_before = eager.lends if eager is not None else 0
+    start = time.perf_counter()
+    if eager is not None:
+        eager.warn = False
+    try:
+        return original(*args, **kwargs)
+    finally:
+        if eager is not None:
+            eager.warn = True
+        lent = (eager.lends if eager is not None else 0) - lent_before
+        engine.ran_eagerly(time.perf_counter() - start, lent)
 
 
 def _parameter_owners(model: nn.Module) -> dict[nn.Parameter, Uses]:

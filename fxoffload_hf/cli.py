@@ -176,7 +176,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from fxoffload_hf.timeline import plot_timeline, record_timeline, write_chrome_trace
 
     model = fxoffload_hf.from_pretrained(
-        folder, gpu_memory=args.gpu_memory, cpu_memory=args.cpu_memory, device=args.device
+        folder,
+        gpu_memory=args.gpu_memory,
+        cpu_memory=args.cpu_memory,
+        device=args.device,
+        capture=args.capture,
     )
     inputs = tokenizer(args.prompt, return_tensors="pt")
     streamer = transformers.TextStreamer(tokenizer, skip_prompt=False)
@@ -267,6 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--gpu-memory", default=None)
     gen.add_argument("--cpu-memory", default=None)
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    gen.add_argument(
+        "--capture",
+        default="first-call",
+        choices=["first-call", "deferred"],
+        help="first-call: capture and plan at the first call; deferred: run eagerly until capture is worth "
+        "its cost (a short answer comes sooner)",
+    )
     gen.add_argument("--timeline", default=None, help="write a PNG of copy and compute per piece over time")
     gen.add_argument("--trace", default=None, help="write the same as a Chrome trace (JSON) for Perfetto")
     gen.set_defaults(func=cmd_generate)

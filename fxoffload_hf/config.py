@@ -27,6 +27,8 @@ _BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*|%)\s*$")
 POLICIES = ("auto", "sequential")
 DEFAULT_GPU_SHARE = 0.9
 COMPILE_BACKENDS = (None, "inductor", "tensorrt")
+# "first-call": capture at each entry point's first call; "deferred": run eagerly until worth capturing
+CAPTURE_MODES = ("first-call", "deferred")
 RESIDENT_THRESHOLD = 64 * 1024  # parameters smaller than this stay where the model computes
 
 BudgetSpec = int | float | str | None
@@ -135,6 +137,7 @@ class OffloadConfig:
     offload_folder: Path | None = None
     policy: str = "auto"
     compile: str | None = None
+    capture: str = "first-call"
     resident_threshold: int = RESIDENT_THRESHOLD
     profile_calls: int = 1
 
@@ -148,6 +151,7 @@ class OffloadConfig:
         device: str | torch.device | None = None,
         policy: str = "auto",
         compile: str | None = None,
+        capture: str = "first-call",
     ) -> OffloadConfig:
         """Validate user-facing arguments (see ``fxoffload_hf.offload``) and build the config."""
         dev = resolve_device(device)
@@ -155,6 +159,8 @@ class OffloadConfig:
             raise ValueError(f"policy: {policy!r} is not one of {POLICIES}")
         if compile not in COMPILE_BACKENDS:
             raise ValueError(f"compile: {compile!r} is not one of {COMPILE_BACKENDS}")
+        if capture not in CAPTURE_MODES:
+            raise ValueError(f"capture: {capture!r} is not one of {CAPTURE_MODES}")
         gpu_free = free_device_memory(dev) if dev.type == "cuda" else free_host_memory()
         gpu_budget, cpu_budget = parse_budgets(dev.type, gpu_memory, cpu_memory, gpu_free)
         return cls(
@@ -164,4 +170,5 @@ class OffloadConfig:
             offload_folder=Path(offload_folder) if offload_folder is not None else None,
             policy=policy,
             compile=compile,
+            capture=capture,
         )

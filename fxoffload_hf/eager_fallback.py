@@ -47,6 +47,7 @@ class EagerWeights:
         self.lock = lock
         self.warned: set[nn.Module] = set()
         self.warn = True  # off while the engine runs a call eagerly on purpose
+        self.lends = 0  # module calls given weights, over the model's life
         # per module, a stack (calls may nest) of what each call was lent
         self._lent: dict[nn.Module, list[_Lent]] = {}
         self._groups: weakref.WeakKeyDictionary[nn.Module, MappedGroup] = weakref.WeakKeyDictionary()
@@ -69,6 +70,7 @@ class EagerWeights:
             return
         self.lock.acquire()  # released by ``after``, which runs even when the forward raises
         lent = _Lent()
+        self.lends += 1
         lends_grad_flag = not torch.is_grad_enabled()
         self._lent.setdefault(module, []).append(lent)
         try:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx
@@ -34,10 +34,18 @@ from fxoffload_hf.runner import CallMeasure, GraphRunner, Observer
 from fxoffload_hf.schedule import PieceProfile, choose_resident
 from fxoffload_hf.weights import WeightStore
 
+if TYPE_CHECKING:
+    from fxoffload_hf.eager_fallback import EagerWeights
+
 # loads run inline when the last call's loads took less than this share of its compute: 5% to start
 # loading inline, 20% to go back to the read-ahead thread (a margin either way, so the choice does not
 # flicker)
 _INLINE_SHARE = {False: 0.05, True: 0.2}
+
+# Capture's cost per module call lent weights in one eager call (dynamo traces each such module, with
+# its neighbours, once per graph, and generate captures two graphs): measured here, about 0.09 s per
+# module per graph on a 10-layer Llama. ``capture="deferred"`` captures once eager calls took as long.
+_CAPTURE_SECONDS_PER_MODULE_CALL = 0.2
 
 
 @dataclass
@@ -50,6 +58,7 @@ class Stats:
     copy_seconds: float = 0.0
     wait_seconds: float = 0.0
     graphs: int = 0
+    eager_calls: int = 0  # run before capture (``capture="deferred"``)
 
     def add_call(self, measure: CallMeasure) -> None:
         self.calls += 1
@@ -69,6 +78,7 @@ class Stats:
         return {
             "calls": self.calls,
             "graphs": self.graphs,
+            "eager_calls": self.eager_calls,
             "pieces_run": self.pieces_run,
             "bytes_streamed": self.bytes_streamed,
             "copy_seconds": round(self.copy_seconds, 4),
@@ -103,6 +113,25 @@ class Engine:
         self._inline_now: list[bool] = []  # per graph: running its inline schedule
         self.plan: ModelPlan | None = None
         self.call_started = time.perf_counter()  # set by the entry point at each call: capture timing
+        self.eager_weights: EagerWeights | None = None  # the eager fallback hooks (set by ``offload``)
+        self.deferring = config.capture == "deferred"  # calls run eagerly until capture is worth it
+        self._eager_seconds = 0.0
+        self._most_module_calls = 0  # lent in one eager call, at most
+
+    def ran_eagerly(self, seconds: float, module_calls: int) -> None:
+        """An entry point's call ran eagerly (deferred capture): capture from the next call on once the
+        eager calls took about what capture is estimated to cost (a ski-rental rule: never more than
+        twice the better choice made in hindsight, for the capture part)."""
+        self.stats.eager_calls += 1
+        self._eager_seconds += seconds
+        self._most_module_calls = max(self._most_module_calls, module_calls)
+        if self._eager_seconds >= self._most_module_calls * _CAPTURE_SECONDS_PER_MODULE_CALL:
+            self.deferring = False
+            report(
+                "capturing from the next call: %d eager calls took %.1f s, about what capture is estimated to take",
+                self.stats.eager_calls,
+                self._eager_seconds,
+            )
 
     # -- backend --------------------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> _GraphEntry:

@@ -42,6 +42,7 @@ def from_pretrained(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device | None = None,
     policy: str = "auto",
+    capture: str = "first-call",
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     auto_class: Any = None,
@@ -52,7 +53,7 @@ def from_pretrained(
     Args:
         path: a local checkpoint folder (or a hub id already in the local cache).
         offload: ``"fx"`` to offload; ``None`` for Hugging Face's own ``from_pretrained``.
-        gpu_memory, cpu_memory, offload_folder, device, policy: as for ``fxoffload_hf.offload``.
+        gpu_memory, cpu_memory, offload_folder, device, policy, capture: as for ``fxoffload_hf.offload``.
         dtype: compute dtype (``torch.bfloat16``, ``"float16"``, ...); weights convert as they stream.
         allow_pickle: pickle checkpoints (``.bin``/``.pt``) are refused unless this is True; they are
             then read with ``torch.load(weights_only=True)``.
@@ -76,8 +77,13 @@ def from_pretrained(
         )
     if offload is None:
         ours = {"gpu_memory": gpu_memory, "cpu_memory": cpu_memory, "device": device}
-        if policy != "auto" or any(v is not None for v in ours.values()):
-            named = [k for k, v in ours.items() if v is not None] or ["policy"]
+        if policy != "auto" or capture != "first-call" or any(v is not None for v in ours.values()):
+            named = [k for k, v in ours.items() if v is not None]
+            named += [
+                k
+                for k, changed in (("policy", policy != "auto"), ("capture", capture != "first-call"))
+                if changed
+            ]
             raise ValueError(
                 f"{', '.join(named)} only applies with offload='fx'; pass offload='fx', or use Hugging Face's "
                 "own keywords (device_map, max_memory) for plain loading"
@@ -118,6 +124,7 @@ def from_pretrained(
             offload_folder=offload_folder,
             device=placement.device,
             policy=policy,
+            capture=capture,
             checkpoint=checkpoint,
             entry_points=_entry_points(model),
         )

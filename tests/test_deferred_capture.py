@@ -1,0 +1,48 @@
+"""capture="deferred": calls run eagerly, exact, until capture is worth its cost; then the engine captures."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fxoffload_hf
+import fxoffload_hf.engine
+from fxoffload_hf.eager_fallback import EagerFallbackWarning
+
+
+def _generate(model, ids):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=4, do_sample=False)
+
+
+def test_deferred_calls_run_eagerly_and_exactly_then_capture(tmp_path, save_checkpoint, monkeypatch):
+    eager = save_checkpoint("llama", tmp_path)
+    ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(4))
+    expected = _generate(eager, ids)
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="1MiB", device="cpu", capture="deferred")
+    engine = fxoffload_hf.engine_of(model)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", EagerFallbackWarning)  # eager on purpose: no warning
+            assert torch.equal(_generate(model, ids), expected)
+        assert engine.runners == [] and engine.stats.eager_calls == 4  # prefill and three decode steps
+        assert engine.deferring
+        # once eager calls have taken what capture is estimated to cost, the next call captures
+        monkeypatch.setattr(fxoffload_hf.engine, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
+        assert torch.equal(_generate(model, ids), expected)  # its prefill still eager: it decides
+        assert not engine.deferring and engine.stats.eager_calls == 5
+        assert len(engine.runners) == 1  # the decode steps' graph
+        assert torch.equal(_generate(model, ids), expected)
+        assert len(engine.runners) == 2 and engine.stats.eager_calls == 5  # and the prefill's
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_capture_modes_are_checked(tmp_path, save_checkpoint):
+    with pytest.raises(ValueError, match="capture: 'later' is not one of"):
+        fxoffload_hf.offload(torch.nn.Linear(4, 4), cpu_memory="1MiB", device="cpu", capture="later")
+    save_checkpoint("llama", tmp_path)
+    with pytest.raises(ValueError, match="capture only applies with offload='fx'"):
+        fxoffload_hf.from_pretrained(tmp_path, offload=None, capture="deferred")
