@@ -5,6 +5,8 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
+# the suite runs in two workers (most of a test is dynamo tracing, on one core); TEST_WORKERS=0 runs it in one process
+TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck bench bench-throughput bench-cold clean
@@ -27,7 +29,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy fxoffload_hf
 
 test: lint typecheck
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_cpu_offload.py

@@ -21,7 +21,9 @@ import fxoffload_hf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-torch.set_num_threads(2)
+# ``make test`` runs the suite in several workers (pytest-xdist): the cores are shared among them
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, 2 // _WORKERS))
 
 
 class MLP(nn.Module):
