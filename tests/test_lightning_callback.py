@@ -186,6 +186,14 @@ def test_predict_steps_of_new_lengths_and_batch_sizes_reuse_the_graphs(llama_mod
     assert counter.counts == [1] * len(shapes), counter.counts
 
 
+def test_deferred_capture_predicts_eagerly_and_exactly(llama_module, half_budget):
+    expected = _run("predict", llama_module(), _trainer())
+    callback = half_budget(target="model", capture="deferred")
+    got = _run("predict", llama_module(), _trainer([callback]))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert callback.last_stats["eager_calls"] == 3 and callback.last_stats["graphs"] == 0
+
+
 def test_teardown_restores_module_and_logs_stats(tmp_path, llama_module, weight_bytes):
     module = llama_module()
     before = {n: (p, p.detach().clone()) for n, p in module.named_parameters()}
@@ -274,6 +282,7 @@ def test_missing_target_is_refused_at_setup(llama_module, half_budget):
         ({"target": 3}, "target"),
         ({"offload_folder": 3}, "offload_folder"),
         ({"log_stats": "yes"}, "log_stats"),
+        ({"capture": "later"}, "capture"),
     ],
 )
 def test_constructor_validates_arguments(kwargs, message):

@@ -27,7 +27,7 @@ from torch import nn
 
 import fxoffload_hf
 from fxoffload_hf.capture import handle_of
-from fxoffload_hf.config import POLICIES, BudgetSpec, parse_budget
+from fxoffload_hf.config import CAPTURE_MODES, POLICIES, BudgetSpec, parse_budget
 
 _IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 _STAGES = ("predict", "test", "validate")
@@ -57,6 +57,7 @@ class FxOffloadCallback(Callback):
         target: attribute path of the submodule to offload (``"model"``, ``"backbone.encoder"``); None
             offloads the LightningModule itself.
         policy: ``"auto"`` or ``"sequential"`` (see ``fxoffload_hf.offload``).
+        capture: ``"first-call"`` or ``"deferred"`` (see ``fxoffload_hf.offload``).
         log_stats: log bytes streamed, the share of copy time hidden and peak memory per device.
 
     Raises:
@@ -72,6 +73,7 @@ class FxOffloadCallback(Callback):
         target: str | None = None,
         policy: str = "auto",
         log_stats: bool = True,
+        capture: str = "first-call",
     ) -> None:
         # percentages are resolved against free memory at setup; here only their form is checked
         parse_budget(gpu_memory, free_bytes=2**40, what="gpu_memory")
@@ -85,6 +87,8 @@ class FxOffloadCallback(Callback):
             )
         if policy not in POLICIES:
             raise ValueError(f"policy: {policy!r} is not one of {POLICIES}")
+        if capture not in CAPTURE_MODES:
+            raise ValueError(f"capture: {capture!r} is not one of {CAPTURE_MODES}")
         if not isinstance(log_stats, bool):
             raise ValueError(f"log_stats: expected True or False, got {log_stats!r}")
         self.gpu_memory = gpu_memory
@@ -92,6 +96,7 @@ class FxOffloadCallback(Callback):
         self.offload_folder = offload_folder
         self.target = target
         self.policy = policy
+        self.capture = capture
         self.log_stats = log_stats
         self.last_stats: dict[str, Any] = {}
         self._module: nn.Module | None = None
@@ -129,6 +134,7 @@ class FxOffloadCallback(Callback):
             offload_folder=self.offload_folder,
             device=self._device,
             policy=self.policy,
+            capture=self.capture,
         )
         self._module = module
         ghosts = [name for name, param in pl_module.named_parameters() if handle_of(param) is not None]
