@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import model
+from harness import disk, model
 from harness.children import run_child
 from harness.protocol import emit
 
@@ -81,6 +81,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--model-dir", type=Path, default=None, help="cache folder of the model (built once)")
     add("--out", type=Path, default=Path("benchmarks/results/cold_start.json"), help="where the JSON goes")
     add("--timeout", type=float, default=600, help="seconds a child may take (default 600)")
+    add(
+        "--cold-cache",
+        action="store_true",
+        help="drop the page cache before each child (root): weights come from disk",
+    )
     add("--child", default=None, help=argparse.SUPPRESS)
     add("--budget", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -112,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for round_ in range(args.rounds):
         for mode in modes:
+            if args.cold_cache and not disk.drop_caches():
+                print("--cold-cache needs root (/proc/sys/vm/drop_caches)", file=sys.stderr)
+                return 1
             argv_ = ["--child", mode, "--budget", str(budget), "--new-tokens", str(args.new_tokens), *common]
             run = run_child(SCRIPT, argv_, args.timeout, logs / f"cold-{mode}-{round_}.log")
             if run.result is None:
@@ -138,7 +146,8 @@ def table(rows: dict[str, list[dict[str, Any]]], weights: int, budget: int, args
     )
     lines = [
         f"cold start, {weights / 1e9:.2f} GB Llama (vocab 32,000, hidden 1,024), budget {budget / 2**20:.0f} MiB, "
-        f"prompt {PROMPT_TOKENS} tokens, {args.new_tokens} new, median of {args.rounds} rounds",
+        f"prompt {PROMPT_TOKENS} tokens, {args.new_tokens} new, median of {args.rounds} rounds"
+        + (", page cache dropped before each process" if args.cold_cache else ""),
         "",
         "| mode | load s | first generate s | load + first s | vs accelerate | second generate s | tokens = eager |",
         "| --- | --- | --- | --- | --- | --- | --- |",

@@ -51,6 +51,9 @@ class EagerWeights:
         # per module, a stack (calls may nest) of what each call was lent
         self._lent: dict[nn.Module, list[_Lent]] = {}
         self._groups: weakref.WeakKeyDictionary[nn.Module, MappedGroup] = weakref.WeakKeyDictionary()
+        # the order modules were lent weights in: the next one's pages are read ahead while one computes
+        self._next: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+        self._previous: weakref.ReferenceType[nn.Module] | None = None
 
     def install(self, module: nn.Module) -> list[Any]:
         """Attach the hooks to ``module``; the removable handles.
@@ -80,6 +83,7 @@ class EagerWeights:
                 ghost.data = value
                 if lends_grad_flag:  # as the runner's weights do (``loaders.as_parameters``)
                     ghost.requires_grad_(_record(ghost).requires_grad)
+            self._read_ahead_after(module)
             if self.warn:
                 self._warn_once(module, sum(g.numel() * g.element_size() for g, _ in lent.swapped))
         except BaseException:
@@ -112,6 +116,20 @@ class EagerWeights:
             lent.mapped = (store, group)
             values.update(zip(in_place, group.views, strict=True))
         return [values[i] for i in range(len(ghosts))]
+
+    def _read_ahead_after(self, module: nn.Module) -> None:
+        """Note that ``module`` follows the module lent weights before it, and read ahead the pages of
+        the module that followed it last time (eager calls repeat their order: decode steps, batches)."""
+        previous = self._previous() if self._previous is not None else None
+        if previous is not None and previous is not module:
+            self._next[previous] = module
+        self._previous = weakref.ref(module)
+        following = self._next.get(module)
+        group = self._groups.get(following) if following is not None else None
+        if group is not None:
+            handle = handle_of(next(iter(_ghosts(following))))  # type: ignore[arg-type]
+            assert handle is not None
+            handle.store.files.read_ahead(group)
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         # dynamo may trace a module's pre-hook and leave its post-hook to run eagerly (a graph break

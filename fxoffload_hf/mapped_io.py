@@ -185,6 +185,12 @@ class MappedFiles:
             ends.update(group.ends)
         self._release([unit for group in groups for unit in group.units], ends, drop_cache)
 
+    def read_ahead(self, group: MappedGroup) -> None:
+        """Ask the kernel to read ``group``'s pages into the page cache in the background (nothing is
+        mapped or held: the pages fault in cheaply when ``acquire`` comes)."""
+        for start, length in group.fault_ranges:
+            _madvise(start, length, _MADV_WILLNEED)
+
     def populate(self, tensors: list[torch.Tensor]) -> None:
         """Hold ``tensors`` and fault their pages in, reading them from disk if needed (blocks; releases
         the GIL)."""

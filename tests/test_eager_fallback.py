@@ -195,3 +195,26 @@ def test_a_module_called_directly_reads_its_weights_in_place_from_the_checkpoint
         assert _ghosts_are_ghosts(model)
     finally:
         fxoffload_hf.restore(model)
+
+
+def test_eager_calls_read_the_next_modules_pages_ahead_in_the_order_they_ran(tmp_path, save_checkpoint):
+    save_checkpoint("llama", tmp_path)
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="1MiB", device="cpu")
+    try:
+        engine = fxoffload_hf.engine_of(model)
+        mlp = model.model.layers[0].mlp
+        asked = []
+        files = engine.store.files
+        files.read_ahead = asked.append  # type: ignore[method-assign]
+        x = torch.randn(1, 3, 128)
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore", EagerFallbackWarning)
+            mlp(x)
+            assert asked == []  # the order is learnt from a first call
+            mlp(x)
+        groups = engine.eager_weights._groups
+        # while each projection computes, the pages of the one after it are read ahead (the last one's
+        # successor is the first: the call repeats)
+        assert asked == [groups[mlp.up_proj], groups[mlp.down_proj], groups[mlp.gate_proj]]
+    finally:
+        fxoffload_hf.restore(model)
