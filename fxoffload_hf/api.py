@@ -328,13 +328,24 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, undo: list[Undo]) 
             # traced as part of another entry point (an encoder inside the full forward): inline it
             return original(*args, **kwargs)
         with engine.lock, eager_paths.inside():
-            if engine.deferring:
-                return _run_eagerly(engine, original, args, kwargs)
+            eager = engine.eager_weights
+            lent = eager.mark() if eager is not None else 0
+            if engine.deferring or engine.eager_depth:
+                try:
+                    return _run_eagerly(engine, original, args, kwargs)
+                except BaseException:
+                    if eager is not None:
+                        eager.unwind(lent)  # an interrupt skips the modules' post-hooks
+                    raise
             engine.call_started = time.perf_counter()
             graphs = len(engine.runners)
             try:
                 return compiled(*args, **kwargs)
-            except torch._dynamo.exc.BackendCompilerFailed as exc:
+            except BaseException as exc:
+                if eager is not None:
+                    eager.unwind(lent)
+                if not isinstance(exc, torch._dynamo.exc.BackendCompilerFailed):
+                    raise
                 # a budget refused while a graph is captured reaches the caller as itself
                 inner = getattr(exc, "inner_exception", None)
                 if isinstance(inner, ValueError):
@@ -352,17 +363,23 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, undo: list[Undo]) 
 
 def _run_eagerly(engine: Engine, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """One call of an entry point as eager code, before capture (``capture="deferred"``): the eager
-    fallback hooks lend each module its weights, without their warning (this is on purpose)."""
+    fallback hooks lend each module its weights, without their warning (this is on purpose). An entry
+    point called inside it (an encoder inside the full forward) is part of the same call."""
+    if engine.eager_depth:
+        return original(*args, **kwargs)
     eager = engine.eager_weights
     lent_before = eager.lends if eager is not None else 0
     start = time.perf_counter()
+    warned = eager.warn if eager is not None else True
     if eager is not None:
         eager.warn = False
+    engine.eager_depth += 1
     try:
         return original(*args, **kwargs)
     finally:
+        engine.eager_depth -= 1
         if eager is not None:
-            eager.warn = True
+            eager.warn = warned
         lent = (eager.lends if eager is not None else 0) - lent_before
         engine.ran_eagerly(time.perf_counter() - start, lent)
 

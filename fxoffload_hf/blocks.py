@@ -94,15 +94,15 @@ def _stateless_kernel_dispatch(model: nn.Module) -> list[Undo]:
     kernelized, that dispatch always ends in the plain function; a registry that holds nothing gives the
     same ops without the write."""
     registry_module = sys.modules.get("kernels._internals.layer.layer")
-    if registry_module is None or not hasattr(registry_module, "_ACTIVE_KERNEL_FUNCS"):
-        return []
+    registry = getattr(registry_module, "_ACTIVE_KERNEL_FUNCS", None)
+    if registry is None or isinstance(registry, _NoKernelFunctions):
+        return []  # no kernels package, or another plan holds the stand-in already
     for module in model.modules():
         for function in module.__dict__.get("_kernel_funcs", {}).values():
             if getattr(function.forward, "__func__", None) is not type(function).forward:
                 return []  # a kernelized function: its dispatch must stay
-    original = registry_module._ACTIVE_KERNEL_FUNCS
-    registry_module._ACTIVE_KERNEL_FUNCS = _NoKernelFunctions()  # type: ignore[attr-defined]
-    return [PatchedAttribute(registry_module, "_ACTIVE_KERNEL_FUNCS", True, original)]
+    registry_module._ACTIVE_KERNEL_FUNCS = _NoKernelFunctions()  # type: ignore[union-attr]
+    return [PatchedAttribute(registry_module, "_ACTIVE_KERNEL_FUNCS", True, registry)]
 
 
 def repeated_blocks(model: nn.Module) -> Iterator[nn.Module]:

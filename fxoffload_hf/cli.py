@@ -175,6 +175,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     from fxoffload_hf.timeline import plot_timeline, record_timeline, write_chrome_trace
 
+    if args.capture == "deferred" and (args.timeline or args.trace):
+        print(
+            "error: --timeline and --trace draw the streamed schedule of captured calls; with --capture "
+            "deferred a short answer runs eagerly and has none: leave out --capture or the timeline",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
     model = fxoffload_hf.from_pretrained(
         folder,
         gpu_memory=args.gpu_memory,

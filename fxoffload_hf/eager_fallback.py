@@ -23,6 +23,7 @@ from torch import nn
 from fxoffload_hf.capture import handle_of
 from fxoffload_hf.mapped_io import MappedGroup
 from fxoffload_hf.memory_model import format_bytes
+from fxoffload_hf.safetensors_io import TensorSlice
 from fxoffload_hf.weights import WeightRecord, WeightStore
 
 
@@ -50,7 +51,11 @@ class EagerWeights:
         self.lends = 0  # module calls given weights, over the model's life
         # per module, a stack (calls may nest) of what each call was lent
         self._lent: dict[nn.Module, list[_Lent]] = {}
-        self._groups: weakref.WeakKeyDictionary[nn.Module, MappedGroup] = weakref.WeakKeyDictionary()
+        # per module, its last mapped group and the sources it maps (weights move between tiers)
+        self._groups: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[TensorSlice, ...], MappedGroup]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._order: list[nn.Module] = []  # modules holding lent weights now, innermost last (``unwind``)
         # the order modules were lent weights in: the next one's pages are read ahead while one computes
         self._next: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
         self._previous: weakref.ReferenceType[nn.Module] | None = None
@@ -71,11 +76,14 @@ class EagerWeights:
     def before(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_dynamo_compiling():
             return
-        self.lock.acquire()  # released by ``after``, which runs even when the forward raises
+        # released by ``after``, which runs when the forward raises an Exception; a KeyboardInterrupt
+        # skips it (torch runs always-call hooks for Exceptions only): the entry point ``unwind``s then
+        self.lock.acquire()
         lent = _Lent()
         self.lends += 1
         lends_grad_flag = not torch.is_grad_enabled()
         self._lent.setdefault(module, []).append(lent)
+        self._order.append(module)
         try:
             ghosts = _ghosts(module)
             for ghost, value in zip(ghosts, self._values(module, ghosts, lent), strict=True):
@@ -102,18 +110,28 @@ class EagerWeights:
             record, store = handle.record, handle.store
             if record.resident is not None:
                 values[i] = record.resident
-            elif ghost.device.type == "cpu" and record.host is None and record.in_place:
+            elif (
+                ghost.device.type == "cpu"
+                and record.host is None
+                and record.in_place
+                and ghost.dtype == record.dtype
+            ):
                 in_place.append(i)
             else:
                 values[i] = store.read(record).to(ghost.device, ghost.dtype)
         if in_place:
             store = handle_of(ghosts[in_place[0]]).store  # type: ignore[union-attr]
-            group = self._groups.get(module)
-            if group is None or not store.files.is_current(group):
-                sources = [_record(ghosts[i]).disk for i in in_place]
-                group = self._groups[module] = store.files.group(sources, [True] * len(sources))  # type: ignore[arg-type]
+            sources = tuple(_record(ghosts[i]).disk for i in in_place)
+            cached = self._groups.get(module)
+            if cached is not None and cached[0] == sources and store.files.is_current(cached[1]):
+                group = cached[1]
+            else:
+                # a table read by lookups is not faulted in whole: its rows fault in as they are read
+                fault_in = [not isinstance(module, nn.Embedding)] * len(sources)
+                group = store.files.group(list(sources), fault_in)  # type: ignore[arg-type]
+                self._groups[module] = (sources, group)  # type: ignore[assignment]
+            lent.mapped = (store, group)  # before acquire: a failed page read still gives its hold back
             store.files.acquire(group)
-            lent.mapped = (store, group)
             values.update(zip(in_place, group.views, strict=True))
         return [values[i] for i in range(len(ghosts))]
 
@@ -125,11 +143,11 @@ class EagerWeights:
             self._next[previous] = module
         self._previous = weakref.ref(module)
         following = self._next.get(module)
-        group = self._groups.get(following) if following is not None else None
-        if group is not None:
+        cached = self._groups.get(following) if following is not None else None
+        if cached is not None:
             handle = handle_of(next(iter(_ghosts(following))))  # type: ignore[arg-type]
             assert handle is not None
-            handle.store.files.read_ahead(group)
+            handle.store.files.read_ahead(cached[1])
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         # dynamo may trace a module's pre-hook and leave its post-hook to run eagerly (a graph break
@@ -138,8 +156,21 @@ class EagerWeights:
             return
         self._release(module)
 
+    def mark(self) -> int:
+        """How many lends are open now: give it to ``unwind``."""
+        return len(self._order)
+
+    def unwind(self, mark: int) -> None:
+        """Take back every lend opened since ``mark`` whose ``after`` did not run (an interrupt)."""
+        while len(self._order) > mark:
+            self._release(self._order[-1])
+
     def _release(self, module: nn.Module) -> None:
         try:
+            for i in range(len(self._order) - 1, -1, -1):
+                if self._order[i] is module:
+                    del self._order[i]
+                    break
             stack = self._lent[module]
             lent = stack.pop()
             for ghost, held in reversed(lent.swapped):
@@ -160,9 +191,9 @@ class EagerWeights:
         name = self.names.get(module, "")
         warnings.warn(
             f"{type(module).__name__} {name!r} ran outside a captured graph (a graph break inside it, dynamo's "
-            f"recompile limit, or a direct call); its weights ({format_bytes(loaded)}) are read for each such "
-            "call without prefetch: exact, but slower. Remove the graph break (TORCH_LOGS=graph_breaks shows "
-            "it) to stream them",
+            f"recompile limit, or a direct call); its weights ({format_bytes(loaded)}) are lent to each such "
+            "call outside the streamed schedule: exact, but slower. Remove the graph break "
+            "(TORCH_LOGS=graph_breaks shows it) to stream them",
             EagerFallbackWarning,
             stacklevel=3,
         )

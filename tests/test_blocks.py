@@ -7,7 +7,14 @@ import torch
 from torch import nn
 
 import fxoffload_hf
-from fxoffload_hf.blocks import BlockRegions, region_counts, repeated_blocks, stateless
+from fxoffload_hf.blocks import (
+    BlockRegions,
+    _NoKernelFunctions,
+    _stateless_kernel_dispatch,
+    region_counts,
+    repeated_blocks,
+    stateless,
+)
 from fxoffload_hf.capture import compile_entry
 
 
@@ -105,10 +112,12 @@ def test_the_kernels_registry_is_held_empty_while_blocks_are_marked_and_given_ba
     kernels_layer, model = _llama_with_kernel_functions()
     registry = kernels_layer._ACTIVE_KERNEL_FUNCS
     undo = BlockRegions().mark(model)
-    assert kernels_layer._ACTIVE_KERNEL_FUNCS is not registry
-    assert kernels_layer._ACTIVE_KERNEL_FUNCS.get() is None
-    for record in reversed(undo):
-        record.undo()
+    try:
+        assert isinstance(kernels_layer._ACTIVE_KERNEL_FUNCS, _NoKernelFunctions)
+        assert _stateless_kernel_dispatch(model) == []  # a second plan meanwhile leaves it alone
+    finally:
+        for record in reversed(undo):
+            record.undo()
     assert kernels_layer._ACTIVE_KERNEL_FUNCS is registry
 
 
@@ -119,9 +128,11 @@ def test_a_kernelized_function_keeps_its_dispatch():
     function = next(iter(attention._kernel_funcs.values()))
     function.forward = lambda *args, **kwargs: None  # what kernelize does: another forward on the instance
     undo = BlockRegions().mark(model)
-    assert kernels_layer._ACTIVE_KERNEL_FUNCS is registry
-    for record in reversed(undo):
-        record.undo()
+    try:
+        assert kernels_layer._ACTIVE_KERNEL_FUNCS is registry
+    finally:
+        for record in reversed(undo):
+            record.undo()
 
 
 def test_a_block_dynamo_cannot_capture_as_a_region_is_captured_plain():

@@ -46,3 +46,25 @@ def test_capture_modes_are_checked(tmp_path, save_checkpoint):
     save_checkpoint("llama", tmp_path)
     with pytest.raises(ValueError, match="capture only applies with offload='fx'"):
         fxoffload_hf.from_pretrained(tmp_path, offload=None, capture="deferred")
+
+
+def test_an_entry_point_inside_an_eager_call_is_part_of_it(tmp_path, save_checkpoint):
+    # T5's full forward calls its encoder, an entry point of its own: one call, one eager call counted
+    eager = save_checkpoint("t5", tmp_path)
+    ids = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = eager(input_ids=ids, decoder_input_ids=ids).logits
+    model = fxoffload_hf.from_pretrained(
+        tmp_path,
+        cpu_memory="1MiB",
+        device="cpu",
+        capture="deferred",
+        auto_class=__import__("transformers").AutoModelForSeq2SeqLM,
+    )
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("error", EagerFallbackWarning)
+            assert torch.equal(model(input_ids=ids, decoder_input_ids=ids).logits, expected)
+        assert fxoffload_hf.engine_of(model).stats.eager_calls == 1
+    finally:
+        fxoffload_hf.restore(model)

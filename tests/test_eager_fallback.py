@@ -215,6 +215,57 @@ def test_eager_calls_read_the_next_modules_pages_ahead_in_the_order_they_ran(tmp
         groups = engine.eager_weights._groups
         # while each projection computes, the pages of the one after it are read ahead (the last one's
         # successor is the first: the call repeats)
-        assert asked == [groups[mlp.up_proj], groups[mlp.down_proj], groups[mlp.gate_proj]]
+        assert asked == [groups[m][1] for m in (mlp.up_proj, mlp.down_proj, mlp.gate_proj)]
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_a_module_whose_weights_change_tier_between_eager_calls_is_lent_its_own(tmp_path, save_checkpoint):
+    # the experts hold two offloaded weights; keeping one where the model computes, then the other,
+    # changes which of them are mapped from the file for each call
+    eager = save_checkpoint("mixtral", tmp_path)
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="4MiB", device="cpu")
+    try:
+        store = fxoffload_hf.engine_of(model).store
+        moe, expected_moe = model.model.layers[0].mlp, eager.model.layers[0].mlp
+        names = [n for n in store.records if n.startswith("model.layers.0.mlp.experts.")]
+        assert len(names) == 2
+        x = torch.randn(1, 5, 128, generator=torch.Generator().manual_seed(5))
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore", EagerFallbackWarning)
+            expected = expected_moe(x)
+            assert torch.equal(moe(x), expected)
+            store.keep(names[0])
+            assert torch.equal(moe(x), expected)
+            store.evict(names[0])
+            store.keep(names[1])
+            assert torch.equal(moe(x), expected)
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_an_interrupt_inside_an_eager_call_gives_back_the_lock_and_the_pages(tmp_path, save_checkpoint):
+    save_checkpoint("llama", tmp_path)
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="1MiB", device="cpu", capture="deferred")
+    engine = fxoffload_hf.engine_of(model)
+    try:
+
+        def interrupt(module, args):
+            raise KeyboardInterrupt  # torch skips always-call post-hooks for it
+
+        handle = model.model.layers[1].mlp.down_proj.register_forward_pre_hook(interrupt)
+        ids = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(6))
+        with pytest.raises(KeyboardInterrupt), torch.no_grad():
+            model(ids)
+        handle.remove()
+        assert not +engine.store.files._held  # no page left held
+        assert _ghosts_are_ghosts(model)
+        took = []
+        thread = threading.Thread(
+            target=lambda: took.append(engine.lock.acquire(timeout=5)) or engine.lock.release()
+        )
+        thread.start()
+        thread.join()
+        assert took == [True]
     finally:
         fxoffload_hf.restore(model)
