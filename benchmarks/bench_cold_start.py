@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--size-gb", type=float, default=0.77, help="model size in GB (default 0.77)")
     add("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     add("--model-dir", type=Path, default=None, help="cache folder of the model (built once)")
-    add("--out", type=Path, default=Path("benchmarks/results/cold_start.json"), help="where the JSON goes")
+    add("--out", type=Path, default=Path("bench_results/bench_cold_start.json"), help="where the JSON goes")
     add("--timeout", type=float, default=600, help="seconds a child may take (default 600)")
     add(
         "--cold-cache",
