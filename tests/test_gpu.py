@@ -45,6 +45,31 @@ def test_gpu_offload_equals_eager_on_the_gpu(kind, build_model, example_input, w
         fxoffload_hf.restore(model)
 
 
+def test_deferred_calls_on_the_gpu_equal_eager_then_capture(
+    build_model, example_input, weight_bytes, monkeypatch
+):
+    # eager calls lend each module its weights copied to the GPU (no mapped pages there)
+    import fxoffload_hf.engine
+
+    model = build_model("llama")
+    x = example_input("llama").cuda()
+    with torch.no_grad():
+        expected = model.cuda()(x).logits
+    model.cpu()
+    fxoffload_hf.offload(model, gpu_memory=int(weight_bytes(model) * 0.5), device="cuda", capture="deferred")
+    try:
+        engine = fxoffload_hf.engine_of(model)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x).logits, expected)
+            assert engine.runners == [] and engine.stats.eager_calls == 1
+            monkeypatch.setattr(fxoffload_hf.engine, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
+            model(x)  # decides to capture from the next call
+            torch.testing.assert_close(model(x).logits, expected)
+        assert len(engine.runners) == 1
+    finally:
+        fxoffload_hf.restore(model)
+
+
 def test_gpu_budget_is_kept(build_model, example_input, weight_bytes):
     model = build_model("llama", num_hidden_layers=8, hidden_size=512, intermediate_size=1024)
     total = weight_bytes(model)
