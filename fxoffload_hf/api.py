@@ -330,26 +330,18 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, undo: list[Undo]) 
         with engine.lock, eager_paths.inside():
             eager = engine.eager_weights
             lent = eager.mark() if eager is not None else 0
-            if engine.deferring or engine.eager_depth:
-                try:
-                    return _run_eagerly(engine, original, args, kwargs)
-                except BaseException:
-                    if eager is not None:
-                        eager.unwind(lent)  # an interrupt skips the modules' post-hooks
-                    raise
-            engine.call_started = time.perf_counter()
             graphs = len(engine.runners)
             try:
+                if engine.deferring or engine.eager_depth:
+                    return _run_eagerly(engine, original, args, kwargs)
+                engine.call_started = time.perf_counter()
                 return compiled(*args, **kwargs)
             except BaseException as exc:
                 if eager is not None:
-                    eager.unwind(lent)
-                if not isinstance(exc, torch._dynamo.exc.BackendCompilerFailed):
-                    raise
-                # a budget refused while a graph is captured reaches the caller as itself
+                    eager.unwind(lent)  # an interrupt skips the modules' post-hooks
                 inner = getattr(exc, "inner_exception", None)
-                if isinstance(inner, ValueError):
-                    raise inner from None
+                if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed) and isinstance(inner, ValueError):
+                    raise inner from None  # a budget refused while a graph is captured, as itself
                 raise
             finally:
                 if len(engine.runners) != graphs:
