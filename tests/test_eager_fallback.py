@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -175,40 +177,50 @@ def test_weights_read_by_eager_code_resumed_inside_a_module_are_its_weights(weig
         fxoffload_hf.restore(model)
 
 
+@contextlib.contextmanager
+def _loaded(save_checkpoint, folder, arch: str, cpu_memory: str) -> Iterator[tuple[nn.Module, nn.Module]]:
+    """The tiny ``arch`` checkpoint: its eager model, and the same loaded offloaded (restored after)."""
+    eager = save_checkpoint(arch, folder)
+    model = fxoffload_hf.from_pretrained(folder, cpu_memory=cpu_memory, device="cpu")
+    try:
+        yield eager, model
+    finally:
+        fxoffload_hf.restore(model)
+
+
+@contextlib.contextmanager
+def _calling_submodules() -> Iterator[None]:
+    """Direct calls of offloaded submodules: eager, on purpose."""
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", EagerFallbackWarning)
+        yield
+
+
 def test_a_module_called_directly_reads_its_weights_in_place_from_the_checkpoint(tmp_path, save_checkpoint):
     # on the CPU, eager calls use views of the checkpoint's mapped pages, as the runner's loads do: no
     # copy of the weight is made, and the pages are let go after the call
-    eager = save_checkpoint("llama", tmp_path)
-    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="1MiB", device="cpu")
-    try:
+    with _loaded(save_checkpoint, tmp_path, "llama", "1MiB") as (eager, model):
         mlp, expected_mlp = model.model.layers[1].mlp, eager.model.layers[1].mlp
         seen = []
         mlp.down_proj.register_forward_pre_hook(
             lambda m, _: seen.append(m.weight.untyped_storage().nbytes() > m.weight.nbytes)
         )
         x = torch.randn(2, 5, 128, generator=torch.Generator().manual_seed(3))
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore", EagerFallbackWarning)
+        with _calling_submodules():
             assert torch.equal(mlp(x), expected_mlp(x))
         assert seen == [True]  # a view into the mapped file, not a tensor of its own
         assert not +fxoffload_hf.engine_of(model).store.files._held  # every page let go
         assert _ghosts_are_ghosts(model)
-    finally:
-        fxoffload_hf.restore(model)
 
 
 def test_eager_calls_read_the_next_modules_pages_ahead_in_the_order_they_ran(tmp_path, save_checkpoint):
-    save_checkpoint("llama", tmp_path)
-    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="1MiB", device="cpu")
-    try:
+    with _loaded(save_checkpoint, tmp_path, "llama", "1MiB") as (_, model):
         engine = fxoffload_hf.engine_of(model)
         mlp = model.model.layers[0].mlp
         asked = []
-        files = engine.store.files
-        files.read_ahead = asked.append  # type: ignore[method-assign]
+        engine.store.files.read_ahead = asked.append  # type: ignore[method-assign]
         x = torch.randn(1, 3, 128)
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore", EagerFallbackWarning)
+        with _calling_submodules():
             mlp(x)
             assert asked == []  # the order is learnt from a first call
             mlp(x)
@@ -216,23 +228,18 @@ def test_eager_calls_read_the_next_modules_pages_ahead_in_the_order_they_ran(tmp
         # while each projection computes, the pages of the one after it are read ahead (the last one's
         # successor is the first: the call repeats)
         assert asked == [groups[m][1] for m in (mlp.up_proj, mlp.down_proj, mlp.gate_proj)]
-    finally:
-        fxoffload_hf.restore(model)
 
 
 def test_a_module_whose_weights_change_tier_between_eager_calls_is_lent_its_own(tmp_path, save_checkpoint):
     # the experts hold two offloaded weights; keeping one where the model computes, then the other,
     # changes which of them are mapped from the file for each call
-    eager = save_checkpoint("mixtral", tmp_path)
-    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="4MiB", device="cpu")
-    try:
+    with _loaded(save_checkpoint, tmp_path, "mixtral", "4MiB") as (eager, model):
         store = fxoffload_hf.engine_of(model).store
         moe, expected_moe = model.model.layers[0].mlp, eager.model.layers[0].mlp
         names = [n for n in store.records if n.startswith("model.layers.0.mlp.experts.")]
         assert len(names) == 2
         x = torch.randn(1, 5, 128, generator=torch.Generator().manual_seed(5))
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore", EagerFallbackWarning)
+        with _calling_submodules():
             expected = expected_moe(x)
             assert torch.equal(moe(x), expected)
             store.keep(names[0])
@@ -240,8 +247,6 @@ def test_a_module_whose_weights_change_tier_between_eager_calls_is_lent_its_own(
             store.evict(names[0])
             store.keep(names[1])
             assert torch.equal(moe(x), expected)
-    finally:
-        fxoffload_hf.restore(model)
 
 
 def test_an_interrupt_inside_an_eager_call_gives_back_the_lock_and_the_pages(tmp_path, save_checkpoint):
