@@ -320,7 +320,9 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, undo: list[Undo]) 
         target = getattr(target, part)
     attr = entry.split(".")[-1]
     original = getattr(target, attr)
-    compiled = compile_entry(original, engine)
+    # made at the first call that captures (``torch.compile`` itself takes a fifth of a second, which a
+    # deferred model's short job need not pay)
+    compiled: list[Any] = []
 
     @functools.wraps(original)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -335,7 +337,9 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, undo: list[Undo]) 
                 if engine.deferring or engine.eager_depth:
                     return _run_eagerly(engine, original, args, kwargs)
                 engine.call_started = time.perf_counter()
-                return compiled(*args, **kwargs)
+                if not compiled:
+                    compiled.append(compile_entry(original, engine))
+                return compiled[0](*args, **kwargs)
             except BaseException as exc:
                 if eager is not None:
                     eager.unwind(lent)  # an interrupt skips the modules' post-hooks
