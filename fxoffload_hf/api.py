@@ -129,13 +129,13 @@ def offload(
         if config.device.type == "cuda":
             store.pin_host_memory()
         holders = _install_ghosts(large, store, config.device, undo)
-        _guard_modules(model, holders, engine, undo)
+        eager = _guard_modules(model, holders, engine, undo)
         _take_eager_code_paths(model, undo)
         undo.append(eager_paths.EagerPaths())
         # repeated blocks are not stamped out here (``blocks``): dynamo's reuse check let a wrong trace
         # through on one architecture (NeoMME), and exactness comes first; ``plan`` uses them
         for entry in entry_points:
-            _wrap_entry(model, entry, engine, undo)
+            _wrap_entry(model, entry, engine, eager, undo)
     except BaseException:
         _undo(undo)
         if engine is not None:
@@ -281,11 +281,13 @@ def _install_ghosts(
     return holders
 
 
-def _guard_modules(model: nn.Module, holders: set[nn.Module], engine: Engine, undo: list[Undo]) -> None:
+def _guard_modules(
+    model: nn.Module, holders: set[nn.Module], engine: Engine, undo: list[Undo]
+) -> EagerWeights:
     """Give ghosts their values when their module runs eagerly, convert ghosts on ``.to()``, refuse
-    state-dict loads."""
+    state-dict loads. Returns the hooks that lend the values."""
     names = {module: name for name, module in model.named_modules(remove_duplicate=False)}
-    eager = engine.eager_weights = EagerWeights({m: names.get(m, "") for m in holders}, engine.lock)
+    eager = EagerWeights({m: names.get(m, "") for m in holders}, engine.lock, engine.store)
     for module in holders:
         undo.extend(AttachedHook(handle) for handle in eager.install(module))
         undo.append(
@@ -293,6 +295,7 @@ def _guard_modules(model: nn.Module, holders: set[nn.Module], engine: Engine, un
         )
         module._apply = guarded_apply(module)  # type: ignore[method-assign]
     undo.append(AttachedHook(model.register_load_state_dict_pre_hook(refuse_state_dict_load)))
+    return eager
 
 
 # Module attributes that make a model take, only while dynamo compiles it, another algorithm than the
@@ -313,7 +316,7 @@ def _take_eager_code_paths(model: nn.Module, undo: list[Undo]) -> None:
                 setattr(owner, attr, eager)
 
 
-def _wrap_entry(model: nn.Module, entry: str, engine: Engine, undo: list[Undo]) -> None:
+def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeights, undo: list[Undo]) -> None:
     """Route ``model.<entry>`` through the engine (compiled with it as the backend)."""
     target = model
     for part in entry.split(".")[:-1]:
@@ -322,7 +325,7 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, undo: list[Undo]) 
     original = getattr(target, attr)
     # made at the first call that captures (``torch.compile`` itself takes a fifth of a second, which a
     # deferred model's short job need not pay)
-    compiled: list[Any] = []
+    compiled = functools.cache(lambda: compile_entry(original, engine))
 
     @functools.wraps(original)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -330,19 +333,15 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, undo: list[Undo]) 
             # traced as part of another entry point (an encoder inside the full forward): inline it
             return original(*args, **kwargs)
         with engine.lock, eager_paths.inside():
-            eager = engine.eager_weights
-            lent = eager.mark() if eager is not None else 0
+            lent = eager.mark()
             graphs = len(engine.runners)
             try:
                 if engine.deferring or engine.eager_depth:
-                    return _run_eagerly(engine, original, args, kwargs)
+                    return _run_eagerly(engine, eager, original, args, kwargs)
                 engine.call_started = time.perf_counter()
-                if not compiled:
-                    compiled.append(compile_entry(original, engine))
-                return compiled[0](*args, **kwargs)
+                return compiled()(*args, **kwargs)
             except BaseException as exc:
-                if eager is not None:
-                    eager.unwind(lent)  # an interrupt skips the modules' post-hooks
+                eager.unwind(lent)  # an interrupt skips the modules' post-hooks
                 inner = getattr(exc, "inner_exception", None)
                 if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed) and isinstance(inner, ValueError):
                     raise inner from None  # a budget refused while a graph is captured, as itself
@@ -357,27 +356,24 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, undo: list[Undo]) 
     setattr(target, attr, run)
 
 
-def _run_eagerly(engine: Engine, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _run_eagerly(
+    engine: Engine, eager: EagerWeights, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """One call of an entry point as eager code, before capture (``capture="deferred"``): the eager
     fallback hooks lend each module its weights, without their warning (this is on purpose). An entry
     point called inside it (an encoder inside the full forward) is part of the same call."""
     if engine.eager_depth:
         return original(*args, **kwargs)
-    eager = engine.eager_weights
-    lent_before = eager.lends if eager is not None else 0
+    lent_before, warned = eager.lends, eager.warn
     start = time.perf_counter()
-    warned = eager.warn if eager is not None else True
-    if eager is not None:
-        eager.warn = False
+    eager.warn = False
     engine.eager_depth += 1
     try:
         return original(*args, **kwargs)
     finally:
         engine.eager_depth -= 1
-        if eager is not None:
-            eager.warn = warned
-        lent = (eager.lends if eager is not None else 0) - lent_before
-        engine.ran_eagerly(time.perf_counter() - start, lent)
+        eager.warn = warned
+        engine.ran_eagerly(time.perf_counter() - start, eager.lends - lent_before)
 
 
 def _parameter_owners(model: nn.Module) -> dict[nn.Parameter, Uses]:

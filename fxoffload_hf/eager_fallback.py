@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fxoffload_hf.capture import handle_of
+from fxoffload_hf.loaders import Way, way_of
 from fxoffload_hf.mapped_io import MappedGroup
 from fxoffload_hf.memory_model import format_bytes
 from fxoffload_hf.safetensors_io import TensorSlice
@@ -37,15 +38,16 @@ class _Lent:
     file pages its views use."""
 
     swapped: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
-    mapped: tuple[WeightStore, MappedGroup] | None = None
+    mapped: MappedGroup | None = None
 
 
 class EagerWeights:
     """The forward hooks of every module that holds ghosts (see the module docstring)."""
 
-    def __init__(self, names: Mapping[nn.Module, str], lock: threading.RLock) -> None:
+    def __init__(self, names: Mapping[nn.Module, str], lock: threading.RLock, store: WeightStore) -> None:
         self.names = dict(names)
         self.lock = lock
+        self.store = store
         self.warned: set[nn.Module] = set()
         self.warn = True  # off while the engine runs a call eagerly on purpose
         self.lends = 0  # module calls given weights, over the model's life
@@ -105,33 +107,27 @@ class EagerWeights:
         values: dict[int, torch.Tensor] = {}
         in_place: list[int] = []
         for i, ghost in enumerate(ghosts):
-            handle = handle_of(ghost)
-            assert handle is not None
-            record, store = handle.record, handle.store
-            if record.resident is not None:
-                values[i] = record.resident
-            elif (
-                ghost.device.type == "cpu"
-                and record.host is None
-                and record.in_place
-                and ghost.dtype == record.dtype
-            ):
+            record = _record(ghost)
+            way = way_of(record, ghost.device.type)  # as the runner's loads bring it in
+            if way is Way.HELD:
+                values[i] = record.resident  # type: ignore[assignment]
+            elif way is Way.MAPPED and ghost.dtype == record.dtype:
                 in_place.append(i)
             else:
-                values[i] = store.read(record).to(ghost.device, ghost.dtype)
+                values[i] = self.store.read(record).to(ghost.device, ghost.dtype)
         if in_place:
-            store = handle_of(ghosts[in_place[0]]).store  # type: ignore[union-attr]
+            files = self.store.files
             sources = tuple(_record(ghosts[i]).disk for i in in_place)
             cached = self._groups.get(module)
-            if cached is not None and cached[0] == sources and store.files.is_current(cached[1]):
+            if cached is not None and cached[0] == sources and files.is_current(cached[1]):
                 group = cached[1]
             else:
                 # a table read by lookups is not faulted in whole: its rows fault in as they are read
                 fault_in = [not isinstance(module, nn.Embedding)] * len(sources)
-                group = store.files.group(list(sources), fault_in)  # type: ignore[arg-type]
+                group = files.group(list(sources), fault_in)  # type: ignore[arg-type]
                 self._groups[module] = (sources, group)  # type: ignore[assignment]
-            lent.mapped = (store, group)  # before acquire: a failed page read still gives its hold back
-            store.files.acquire(group)
+            lent.mapped = group  # before acquire: a failed page read still gives its hold back
+            files.acquire(group)
             values.update(zip(in_place, group.views, strict=True))
         return [values[i] for i in range(len(ghosts))]
 
@@ -145,9 +141,7 @@ class EagerWeights:
         following = self._next.get(module)
         cached = self._groups.get(following) if following is not None else None
         if cached is not None:
-            handle = handle_of(next(iter(_ghosts(following))))  # type: ignore[arg-type]
-            assert handle is not None
-            handle.store.files.read_ahead(cached[1])
+            self.store.files.read_ahead(cached[1])
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         # dynamo may trace a module's pre-hook and leave its post-hook to run eagerly (a graph break
@@ -177,8 +171,7 @@ class EagerWeights:
                 ghost.data = held
                 ghost.requires_grad_(False)
             if lent.mapped is not None:
-                store, group = lent.mapped
-                store.files.release_groups([group], store.drop_cache)
+                self.store.files.release_groups([lent.mapped], self.store.drop_cache)
             if not stack:
                 del self._lent[module]
         finally:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import fx
@@ -33,9 +33,6 @@ from fxoffload_hf.progress import report
 from fxoffload_hf.runner import CallMeasure, GraphRunner, Observer
 from fxoffload_hf.schedule import PieceProfile, choose_resident
 from fxoffload_hf.weights import WeightStore
-
-if TYPE_CHECKING:
-    from fxoffload_hf.eager_fallback import EagerWeights
 
 # loads run inline when the last call's loads took less than this share of its compute: 5% to start
 # loading inline, 20% to go back to the read-ahead thread (a margin either way, so the choice does not
@@ -114,7 +111,6 @@ class Engine:
         self._inline_now: list[bool] = []  # per graph: running its inline schedule
         self.plan: ModelPlan | None = None
         self.call_started = time.perf_counter()  # set by the entry point at each call: capture timing
-        self.eager_weights: EagerWeights | None = None  # the eager fallback hooks (set by ``offload``)
         self.deferring = config.capture == "deferred"  # calls run eagerly until capture is worth it
         self.eager_depth = 0  # entry-point calls running eagerly now (nested entry points inside one)
         self._eager_seconds = 0.0

@@ -224,7 +224,8 @@ def test_eager_calls_read_the_next_modules_pages_ahead_in_the_order_they_ran(tmp
             mlp(x)
             assert asked == []  # the order is learnt from a first call
             mlp(x)
-        groups = engine.eager_weights._groups
+        hooks = next(iter(mlp.up_proj._forward_pre_hooks.values())).__self__  # the model's EagerWeights
+        groups = hooks._groups
         # while each projection computes, the pages of the one after it are read ahead (the last one's
         # successor is the first: the call repeats)
         assert asked == [groups[m][1] for m in (mlp.up_proj, mlp.down_proj, mlp.gate_proj)]

@@ -76,14 +76,15 @@ def from_pretrained(
             f"offload={offload!r} is not supported; use offload='fx', or leave it out for plain loading"
         )
     if offload is None:
-        ours = {"gpu_memory": gpu_memory, "cpu_memory": cpu_memory, "device": device}
-        if policy != "auto" or capture != "first-call" or any(v is not None for v in ours.values()):
-            named = [k for k, v in ours.items() if v is not None]
-            named += [
-                k
-                for k, changed in (("policy", policy != "auto"), ("capture", capture != "first-call"))
-                if changed
-            ]
+        given = {
+            "gpu_memory": gpu_memory is not None,
+            "cpu_memory": cpu_memory is not None,
+            "device": device is not None,
+            "policy": policy != "auto",
+            "capture": capture != "first-call",
+        }
+        named = [name for name, set_ in given.items() if set_]
+        if named:
             raise ValueError(
                 f"{', '.join(named)} only applies with offload='fx'; pass offload='fx', or use Hugging Face's "
                 "own keywords (device_map, max_memory) for plain loading"
