@@ -3,7 +3,7 @@
 Run ``.venv/bin/python benchmarks/bench_cpu_offload.py`` from the repository root. Each measurement runs in
 its own child process (this script with ``--child MODE``) so that its memory figures are its own; the
 parent imports no torch. Under ``/sys/fs/cgroup/memory`` (cgroup v1, needs root) the three modes are run
-again with a hard limit of import baseline + budget + 128 MiB, beside a disk bound measured with plain
+again with a hard limit of import baseline + budget + 128 MiB (``--slack-mib``), beside a disk bound measured with plain
 sequential reads. Compare figures only within one run on an otherwise idle machine.
 """
 
@@ -74,6 +74,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--size-gb", type=float, default=1.0, help="model size in GB (fp32), default 1.0")
+    add("--vocab", type=int, default=model.VOCAB, help=f"vocabulary size, default {model.VOCAB}")
+    add(
+        "--budget-share",
+        type=float,
+        default=BUDGET_SHARE,
+        help=f"cpu_memory as a share of the weights, default {BUDGET_SHARE}",
+    )
+    add(
+        "--slack-mib",
+        type=int,
+        default=LIMIT_SLACK // MiB,
+        help="the limit's slack over baseline + budget, MiB (default 128)",
+    )
     add("--model-dir", type=Path, default=None, help="cache folder of the model (built once)")
     add("--new-tokens", type=int, default=16, help="tokens generated in the timed run")
     add("--rounds", type=int, default=5, help="interleaved rounds of the runs without a limit (median kept)")
@@ -89,7 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--budget", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.model_dir is None:
-        args.model_dir = Path.home() / ".cache" / "fxoffload_hf" / f"bench-llama-{args.size_gb:g}g"
+        vocab = "" if args.vocab == model.VOCAB else f"-vocab{args.vocab}"
+        args.model_dir = Path.home() / ".cache" / "fxoffload_hf" / f"bench-llama-{args.size_gb:g}g{vocab}"
     args.model_dir = args.model_dir.expanduser().resolve()
     args.modes = [m.strip() for m in args.only.split(",") if m.strip()]
     unknown = set(args.modes) - set(MODES)
@@ -110,19 +124,20 @@ def run_limited(args: argparse.Namespace, out: dict, rows: list, child_args: lis
         out["limited_skipped"] = "baseline child failed"
         return None
     baseline = base.result["memory"]["VmRSS"]
-    limit, streamed = baseline + budget + LIMIT_SLACK, out["model"]["checkpoint_bytes"] - budget
+    slack = args.slack_mib * MiB
+    limit, streamed = baseline + budget + slack, out["model"]["checkpoint_bytes"] - budget
     out["limit"] = {
         "baseline_vmrss_bytes": baseline,
         "baseline_memory": base.result["memory"],
         "limit_bytes": limit,
-        "formula": "import baseline VmRSS + budget + 128 MiB",
+        "formula": f"import baseline VmRSS + budget + {args.slack_mib} MiB",
     }
     wait_for_idle(args.wait_idle)
     files, eager_rate = model.safetensors_files(args.model_dir), targets.rate(out["free"].get("eager"))
     bound_facts = out["disk_bound"] = disk.measure_bound(files, streamed, eager_rate)
     read_s, bound = bound_facts["read_seconds_median"], bound_facts["tok_s"]
     print(
-        f"limit: baseline {baseline / MiB:.0f} MiB + budget {budget / MiB:.0f} MiB + 128 MiB = "
+        f"limit: baseline {baseline / MiB:.0f} MiB + budget {budget / MiB:.0f} MiB + {args.slack_mib} MiB = "
         f"{limit / MiB:.0f} MiB; disk: {streamed / 1e6:.0f} MB/token in {read_s:.3f} s "
         f"({streamed / read_s / 1e6:.0f} MB/s), bound {report.fmt(bound)} tok/s",
         flush=True,
@@ -147,7 +162,12 @@ def run_limited(args: argparse.Namespace, out: dict, rows: list, child_args: lis
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child == "build":
-        emit({"event": "built", **model.build(args.model_dir, model.llama_config(args.size_gb))})
+        emit(
+            {
+                "event": "built",
+                **model.build(args.model_dir, model.llama_config(args.size_gb, vocab=args.vocab)),
+            }
+        )
         return 0
     if args.child == "baseline":
         emit({"event": "result", "memory": import_baseline(args.model_dir)})
@@ -158,22 +178,23 @@ def main(argv: list[str] | None = None) -> int:
 
     args.wall = time.perf_counter()
     logs = args.out.parent / "logs"
-    config = model.llama_config(args.size_gb)
+    config = model.llama_config(args.size_gb, vocab=args.vocab)
     if not model.model_is_cached(args.model_dir, config):
         print(f"building the model in {args.model_dir} ...", flush=True)
         args.model_dir.parent.mkdir(parents=True, exist_ok=True)
         argv_build = ["--child", "build", "--model-dir", str(args.model_dir), "--size-gb", str(args.size_gb)]
+        argv_build += ["--vocab", str(args.vocab)]
         built = run_child(SCRIPT, argv_build, 1800, logs / "build.log")
         if built.returncode != 0:
             print(f"building the model failed:\n{built.log_tail()}", file=sys.stderr)
             return 1
     facts = model.checkpoint_facts(args.model_dir)
     total = facts["checkpoint_bytes"]
-    budget = int(total * BUDGET_SHARE)
+    budget = int(total * args.budget_share)
     print(f"model: LlamaForCausalLM {json.dumps(config)}")
     print(
         f"checkpoint: {total / 1e6:.0f} MB in {facts['shards']} shards, largest tensor "
-        f"{facts['largest_tensor_bytes'] / 1e6:.1f} MB; budget {BUDGET_SHARE:.0%} = {budget / MiB:.0f} MiB; "
+        f"{facts['largest_tensor_bytes'] / 1e6:.1f} MB; budget {args.budget_share:.0%} = {budget / MiB:.0f} MiB; "
         f"prompt {PROMPT_TOKENS} tokens, greedy, {args.new_tokens} new tokens (warm-up {WARMUP_TOKENS})",
         flush=True,
     )
@@ -190,11 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"class": "LlamaForCausalLM", "config": config, "seed": model.SEED, **facts},
         "settings": {
             "budget_bytes": budget,
-            "budget_share": BUDGET_SHARE,
+            "budget_share": args.budget_share,
             "prompt_tokens": PROMPT_TOKENS,
             "warmup_tokens": WARMUP_TOKENS,
             "new_tokens": args.new_tokens,
-            "limit_slack_bytes": LIMIT_SLACK,
+            "limit_slack_bytes": args.slack_mib * MiB,
         },
         "free": {},
         "limited": {},

@@ -44,6 +44,13 @@ def make_ghost(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: 
     return nn.Parameter(seed.expand(shape), requires_grad=False)
 
 
+def ghost_for(store: WeightStore, record: WeightRecord, device: torch.device) -> nn.Parameter:
+    """A ghost standing for ``record`` of ``store``."""
+    ghost = make_ghost(record.shape, record.dtype, device)
+    setattr(ghost, HANDLE_ATTR, GhostHandle(store, record))
+    return ghost
+
+
 def convert_ghosts(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Apply a ``.to()``-style ``fn`` to the ghosts of ``module`` without materializing them.
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from fxoffload_hf import tiles
 from fxoffload_hf.activations import ActivationModel, activation_model
 from fxoffload_hf.config import OffloadConfig
 from fxoffload_hf.graphs import capture_device, graph_facts, retarget_devices
@@ -141,6 +142,11 @@ class Engine:
             gm.recompile()
         facts = graph_facts(gm, example_inputs)
         self._make_room_for_activations(facts.activation_bytes)
+        gm, tile_ghosts = tiles.tile_oversized(gm, facts, self.store, self.memory)
+        if tile_ghosts:
+            example_inputs = [*example_inputs, *tile_ghosts]
+            facts = graph_facts(gm, example_inputs)
+            self._make_room_for_activations(facts.activation_bytes)
         sizes = sizes_for_budget(
             facts.weight_bytes, facts.names, facts.lookups, self.store.records, self.loader.device_type
         )

@@ -127,12 +127,16 @@ def _hint(dim: Any) -> int:
 def only_row_lookups(weight: fx.Node) -> bool:
     """Whether the graph uses ``weight`` only as the table of embedding lookups (it reads some rows)."""
     users = list(weight.users)
-    return bool(users) and all(
+    return bool(users) and all(is_row_lookup(user, weight) for user in users)
+
+
+def is_row_lookup(user: fx.Node, weight: fx.Node) -> bool:
+    """Whether ``user`` is an embedding lookup with ``weight`` as its table."""
+    return (
         user.op == "call_function"
         and user.target in _LOOKUPS
         and len(user.args) > _LOOKUPS[user.target]
         and user.args[_LOOKUPS[user.target]] is weight
-        for user in users
     )
 
 

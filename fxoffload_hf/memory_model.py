@@ -169,16 +169,17 @@ class MemoryModel:
             smallest_budget=smallest,
         )
 
-    def check_weights(self, weight_bytes: Iterable[int]) -> None:
-        """Refuse up front a budget that cannot stream the largest weight (activations come later).
+    def check_weights(self, weight_bytes: Iterable[int], unit: str = "weight") -> None:
+        """Refuse up front a budget that cannot stream the largest ``unit`` a weight streams in (a whole
+        weight, or a tile of one; activations come later).
 
         Raises:
-            BudgetTooSmallError: the largest weight does not fit beside the small tensors.
+            BudgetTooSmallError: the largest unit does not fit beside the small tensors.
         """
         largest = max(weight_bytes, default=0)
         if self.budget is None or not largest:
             return
         smallest = self.smallest_budget(largest, 0)
         if smallest > self.budget:
-            detail = f"the largest weight takes {format_bytes(largest)} and must fit whole"
+            detail = f"the largest {unit} takes {format_bytes(largest)} and must fit whole"
             raise self.too_small(smallest, 0, detail)

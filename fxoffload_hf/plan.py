@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from fxoffload_hf import tiles
 from fxoffload_hf.blocks import BlockRegions, region_counts
 from fxoffload_hf.capture import compile_entry
 from fxoffload_hf.config import RESIDENT_THRESHOLD, BudgetSpec, parse_budgets
@@ -210,10 +211,22 @@ def plan_config(
     # generate: the prefill builds the cache beside its activations; a decode step at the last length
     # holds the cache it was passed and the one it builds
     activations = max(forward + kv, 2 * kv)
-    # on the CPU a table used only for lookups is read by rows from its mapped file
+    # on the CPU a table used only for lookups is read by rows from its mapped file, and a weight that
+    # only projections and lookups use streams in tiles of rows if it must (``tiles``)
     sizes = {w: 0 if device_type == "cpu" and only_row_lookups(w) else b for w, b in weights.items()}
+    shapes = {w: tuple(v.shape) for w, v in zip(placeholders, example_inputs, strict=False) if w in weights}
+    itemsize = _dtype_bytes(model)
+    tileable = {w for w in sizes if device_type == "cpu" and sizes[w] and tiles.can_tile(w, shapes[w])}
     memory = MemoryModel.where_it_computes(device_type, gpu_budget, cpu_budget, small)
-    heaviest = max(sizes, key=lambda w: sizes[w], default=None)
+    floors = {
+        w: memory.smallest_budget(
+            tiles.smallest_tile_bytes(shapes[w], itemsize), activations + tiles.extra_activation_bytes(w)
+        )
+        if w in tileable
+        else memory.smallest_budget(b, activations)
+        for w, b in sizes.items()
+    }
+    heaviest = max(floors, key=lambda w: floors[w], default=None)
     report = PlanReport(
         model=type(model).__name__,
         weight_bytes=sum(weights.values()),
@@ -225,40 +238,67 @@ def plan_config(
         pieces=[],
         arena_bytes=0,
         resident_bytes_max=0,
-        smallest_budget=memory.smallest_budget(sizes[heaviest] if heaviest else 0, activations),
-        floor_set_by=_floor_reason(heaviest, sizes, labels, activations, small),
+        smallest_budget=floors[heaviest] if heaviest else memory.smallest_budget(0, activations),
+        floor_set_by=_floor_reason(heaviest, heaviest in tileable, sizes, labels, activations, small),
         device=device_type,
         blocks_traced=capture.blocks_traced,
         blocks_reused=capture.blocks_reused,
     )
     full = report.weight_bytes + small + activations
-    largest = sizes[heaviest] if heaviest else 0
+    largest = max(sizes.values(), default=0)
     report.tradeoff = [
         estimate(
             b,
             weights=report.weight_bytes,
             fixed=small,
             activations=activations,
-            in_flight=min(2 * largest, report.weight_bytes),
+            in_flight=min(2 * largest, report.weight_bytes, max(b - small - activations, 0)),
             device_type=device_type,
             host_budget=cpu_budget if device_type == "cuda" else None,
             bandwidths=bandwidths or Bandwidths(),
         )
         for b in budgets_between(report.smallest_budget, full)
     ]
+    room = memory.room(activations)
+    if room is not None:
+        _tile_for_room(gm, sizes, labels, tileable, room, shapes, itemsize)
     try:
         partition = partition_for_budget(gm.graph, sizes, activations, memory, "auto", labels)
     except BudgetTooSmallError as exc:
         report.error = str(exc)
-        report.smallest_budget = exc.smallest_budget
+        report.smallest_budget = max(exc.smallest_budget, report.smallest_budget)
         return report
     report.pieces = [p.weight_bytes for p in partition.pieces]
     piece_sizes = [piece_bytes(sizes[w] for w in p.weights) for p in partition.pieces]
-    room = memory.room(activations)
     # a piece too large to pair with its neighbour streams alone
     report.arena_bytes = window_bytes(piece_sizes, 2, cuts_for(piece_sizes, room))
     report.resident_bytes_max = report.weight_bytes if room is None else max(room - report.arena_bytes, 0)
     return report
+
+
+def _tile_for_room(
+    gm: fx.GraphModule,
+    sizes: dict[fx.Node, int],
+    labels: dict[fx.Node, str],
+    tileable: set[fx.Node],
+    room: int,
+    shapes: dict[fx.Node, tuple[int, ...]],
+    itemsize: int,
+) -> None:
+    """Split the weights the engine would split at this room into tiles (as ``tiles.tile_oversized``
+    does), adding their tiles' sizes and names."""
+    oversized = [w for w in tileable if sizes[w] > room // 2]
+    room -= max(map(tiles.extra_activation_bytes, oversized), default=0)
+    for weight in oversized:
+        per_tile = tiles.rows_per_tile(shapes[weight], itemsize, room // 4)
+        if not per_tile:
+            continue  # the partition refuses it by name
+        tiling = tiles.split_projections(gm, weight, tiles.tile_ranges(shapes[weight][0], per_tile))
+        row_bytes = sizes[weight] // shapes[weight][0]
+        for start, stop, node in tiling.tiles:
+            sizes[node] = 2 * (stop - start) * row_bytes
+            labels[node] = f"{labels[weight]}[{start}:{stop}]"
+        sizes[weight] = 0 if only_row_lookups(weight) else sizes[weight]
 
 
 def kv_cache_bytes(config: Any, batch: int, seq_len: int, itemsize: int) -> int:
@@ -303,13 +343,18 @@ def _budgets(
 
 def _floor_reason(
     heaviest: fx.Node | None,
+    tiled: bool,
     sizes: dict[fx.Node, int],
     labels: dict[fx.Node, str],
     activations: int,
     small: int,
 ) -> str:
-    """What sets the smallest budget: the largest weight streamed alone, the activations, small tensors."""
-    what = (
-        f"{labels[heaviest]} ({format_bytes(sizes[heaviest])}) streamed alone" if heaviest else "no weights"
-    )
+    """What sets the smallest budget: the largest weight streamed alone (or its smallest tiles), the
+    activations, small tensors."""
+    if heaviest is None:
+        what = "no weights"
+    elif tiled:
+        what = f"{labels[heaviest]} ({format_bytes(sizes[heaviest])}) streamed in its smallest tiles of rows"
+    else:
+        what = f"{labels[heaviest]} ({format_bytes(sizes[heaviest])}) streamed alone"
     return f"{what} + {format_bytes(activations)} of activations and KV cache + {format_bytes(small)} of small tensors"

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -61,6 +61,8 @@ class WeightRecord:
     resident: torch.Tensor | None = None
     aliases: list[str] = field(default_factory=list)
     mapped: bool = False  # ``resident`` is a view of its file's pages
+    tile_of: str | None = None  # rows ``tile_rows`` of this weight, computed with as a tile (``tiles``)
+    tile_rows: tuple[int, int] = (0, 0)
     # the parameter's own flag: ATen picks some kernels by it even without autograd (see
     # ``loaders.as_parameters``), so the compute must see the weight with it
     requires_grad: bool = False
@@ -73,9 +75,11 @@ class WeightRecord:
     def footprint(self) -> int:
         """Bytes in flight while this weight is brought in: the file's bytes, plus the converted copy if
         the file's dtype is not the compute dtype."""
+        # a tile is copied into its weight's whole-shaped buffer for the compute: held twice
+        copy = self.nbytes if self.tile_of is not None else 0
         if self.disk is None or self.host is not None:
-            return self.nbytes
-        return self.disk.nbytes + (self.nbytes if self.disk.dtype != self.dtype else 0)
+            return self.nbytes + copy
+        return self.disk.nbytes + (self.nbytes if self.disk.dtype != self.dtype else 0) + copy
 
     @property
     def tier(self) -> Tier:
@@ -131,6 +135,46 @@ class WeightStore:
         self.records[name] = record
         return record
 
+    def add_tile(self, name: str, start: int, stop: int) -> WeightRecord:
+        """Rows ``start:stop`` of weight ``name`` as a weight of their own, streamed like any other: a
+        byte range of the same file, or a view of the same host tensor (``tiles``). Made once."""
+        tile_name = f"{name}[{start}:{stop}]"
+        if tile_name not in self.records:
+            parent = self.records[name]
+            shape = (stop - start, *parent.shape[1:])
+            self.records[tile_name] = WeightRecord(
+                tile_name,
+                shape,
+                parent.dtype,
+                requires_grad=parent.requires_grad,
+                tile_of=name,
+                tile_rows=(start, stop),
+            )
+            self._refresh_tiles(name)
+        return self.records[tile_name]
+
+    def _refresh_tiles(self, name: str) -> None:
+        """Point the tiles of ``name`` at its bytes as they are now (after a spill or a dtype change)."""
+        parent = self.records[name]
+        for tile in [r for r in self.records.values() if r.tile_of == name]:
+            self.evict(tile.name)
+            start, stop = tile.tile_rows
+            tile.dtype = parent.dtype
+            tile.host = None if parent.host is None else parent.host[start:stop]
+            tile.disk = None
+            if parent.disk is not None:
+                row = parent.disk.nbytes // parent.shape[0]
+                tile.disk = replace(
+                    parent.disk,
+                    offset=parent.disk.offset + start * row,
+                    nbytes=(stop - start) * row,
+                    shape=tile.shape,
+                )
+
+    def weights(self) -> list[WeightRecord]:
+        """The model's weights, without the tiles made of them."""
+        return [r for r in self.records.values() if r.tile_of is None]
+
     def add_alias(self, name: str, alias: str) -> None:
         self.records[name].aliases.append(alias)
 
@@ -145,11 +189,11 @@ class WeightStore:
 
     def ram_bytes(self) -> int:
         """Bytes of the weights held in host RAM."""
-        return sum(r.nbytes for r in self.records.values() if r.host is not None)
+        return sum(r.nbytes for r in self.weights() if r.host is not None)
 
     def spill_ram(self, configured_folder: Path | None) -> Path | None:
         """Spill every weight held in host RAM to ``configured_folder`` (else a folder of ours)."""
-        names = [n for n, r in self.records.items() if r.host is not None]
+        names = [r.name for r in self.weights() if r.host is not None]
         return self.spill(names, self.spill_folder(configured_folder)) if names else None
 
     def spill(self, names: list[str], folder: Path) -> Path | None:
@@ -188,6 +232,7 @@ class WeightStore:
                 record.resident = None
             for sharer in self.sharers.pop(name, []):
                 sharer.data = torch.empty(0, dtype=sharer.dtype)
+            self._refresh_tiles(name)
         self._spilled_files.append(final)
         return final
 
@@ -206,6 +251,7 @@ class WeightStore:
         elif record.resident is not None:
             record.resident = record.resident.to(dtype)
         record.dtype = dtype
+        self._refresh_tiles(name)
 
     def pin_host_memory(self) -> None:
         """Page-lock host-tier tensors for fast, asynchronous copies, in place where CUDA allows
@@ -286,18 +332,18 @@ class WeightStore:
 
     # -- facts ----------------------------------------------------------------------------------
     def bytes_in(self, tier: Tier) -> int:
-        return sum(r.nbytes for r in self.records.values() if r.tier == tier)
+        return sum(r.nbytes for r in self.weights() if r.tier == tier)
 
     @property
     def total_bytes(self) -> int:
-        return sum(r.nbytes for r in self.records.values())
+        return sum(r.nbytes for r in self.weights())
 
     def __str__(self) -> str:
         return self.summary()
 
     def summary(self) -> str:
         parts = [f"{t.value} {format_bytes(self.bytes_in(t))}" for t in Tier]
-        return f"{len(self.records)} weights, " + ", ".join(parts)
+        return f"{len(self.weights())} weights, " + ", ".join(parts)
 
     def close(self) -> None:
         """Drop every tensor and delete the files this store wrote (never the checkpoint's own)."""

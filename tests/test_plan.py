@@ -45,3 +45,24 @@ def test_the_plan_counts_generates_kv_cache_at_the_length_asked():
     grown = long.smallest_budget - short.smallest_budget
     assert grown >= 2 * long.kv_cache_bytes - (short.activation_bytes + short.kv_cache_bytes)
     assert "KV cache" in long.table() and "KV cache" in long.floor_set_by
+
+
+def test_on_the_cpu_the_floor_is_set_by_the_smallest_tile_not_the_largest_table():
+    """vocab 32,000 against hidden 256: each table takes 31 MiB. On the CPU the output head streams in
+    tiles of rows and the embedding is read by rows, so the smallest budget is far below one table, and
+    a budget below it is planned; a GPU plan (no tiles there) still needs the table whole."""
+    import transformers as tf
+
+    config = tf.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        vocab_size=32000,
+    )
+    table = 32000 * 256 * 4
+    cpu = plan_config(config, cpu_memory=table // 4, device="cpu", seq_len=16)
+    assert cpu.smallest_budget < table // 4 and "tiles of rows" in cpu.floor_set_by
+    assert cpu.error is None and max(cpu.pieces) < table // 4
+    gpu = plan_config(config, gpu_memory=table // 4, device="cuda", seq_len=16)
+    assert gpu.smallest_budget > table and gpu.error is not None

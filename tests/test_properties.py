@@ -133,13 +133,15 @@ _TABLES = ("embed_tokens.weight", "wte.weight", "wpe.weight")
 
 
 def _read_by_rows(engine, name: str) -> bool:
-    """An embedding table (untied: used only for lookups) read in place from its file: only the rows
-    looked up are brought in, so it never counts whole in a piece (an independent reading of the
-    planner's rule). Kept resident later or not: the pieces were sized before the profile chose."""
+    """An embedding table (untied, or tied to an output head that streams in tiles: used only for
+    lookups) read in place from its file: only the rows looked up are brought in, so it never counts
+    whole in a piece (an independent reading of the planner's rule). Kept resident later or not: the
+    pieces were sized before the profile chose."""
     record = engine.store.records[name]
+    head_in_tiles = any(r.tile_of == name for r in engine.store.records.values())
     return (
         name.endswith(_TABLES)
-        and not record.aliases
+        and (not record.aliases or head_in_tiles)
         and record.disk is not None
         and record.host is None
         and record.disk.dtype == record.dtype

@@ -1,0 +1,290 @@
+"""Weights too large for a piece, streamed in tiles of rows and computed with bit for bit as whole.
+
+A projection ``linear(x, W)`` whose weight cannot stream beside its neighbour (an output head of a large
+vocabulary, a fused projection) is split along its output rows into tiles, each a weight of its own that
+streams like any other. Splitting the rows keeps each output element's sum whole, but not its rounding on
+every BLAS: MKL picks how it splits the work (the reduction among threads, pairs of rows in a
+matrix-vector product) by the shape of the call, so ``linear(x, W[a:b])`` can differ from the rows
+``a:b`` of ``linear(x, W)`` in the last bit. So each tile is computed with the whole weight's shape: its
+rows copied into a buffer shaped like the whole weight whose other pages are never written (they read
+as the kernel's shared zero page and take no memory), the call made as eager makes it, and the tile's
+output columns kept. The copy is the tile's cost in memory (``WeightRecord.footprint`` counts it), and
+each tile's call computes as much as the whole projection (cheap beside the stream for one token; a
+long prompt's full logits take as many times the compute as there are tiles).
+
+Only on the CPU: a device buffer has no shared zero page.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from fxoffload_hf.capture import ghost_for
+from fxoffload_hf.graphs import GraphFacts, activation_peak, is_row_lookup, traced_value, value_bytes
+from fxoffload_hf.memory_model import MemoryModel, format_bytes
+from fxoffload_hf.planner import sizes_for_budget
+from fxoffload_hf.progress import report
+from fxoffload_hf.weights import WeightRecord, WeightStore
+
+_PAGE = mmap.PAGESIZE
+_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
+
+
+def _is_projection_of(user: fx.Node, weight: fx.Node) -> bool:
+    """Whether ``user`` is ``linear(x, weight[, bias])`` with ``weight`` only as its weight."""
+    if user.op != "call_function" or user.target not in _LINEAR:
+        return False
+    args = [*user.args, *user.kwargs.values()]
+    return len(user.args) >= 2 and user.args[1] is weight and args.count(weight) == 1
+
+
+def blocking_use(weight: fx.Node) -> fx.Node | None:
+    """The first use of ``weight`` that tiles cannot serve (neither a projection by it nor a row lookup),
+    or None when every use can be served."""
+    for user in weight.users:
+        if not _is_projection_of(user, weight) and not is_row_lookup(user, weight):
+            return user
+    return None
+
+
+def describe(node: fx.Node) -> str:
+    """A user's name for an fx node's operation."""
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", repr(target))
+    return f"`{name}` ({node.op.replace('_', ' ')})"
+
+
+def fewest_rows(shape: Sequence[int], itemsize: int) -> int:
+    """The rows of a weight of ``shape`` that fill whole pages: tiles take multiples of them, so a tile's
+    buffer pages can be given back after its call."""
+    return _PAGE // math.gcd(math.prod(shape[1:]) * itemsize, _PAGE)
+
+
+def rows_per_tile(shape: Sequence[int], itemsize: int, target_bytes: int) -> int:
+    """How many rows a tile of a weight of ``shape`` takes to stay within ``target_bytes``: a multiple of
+    ``fewest_rows`` (0 if even those do not fit), all of them at most."""
+    step = fewest_rows(shape, itemsize)
+    rows = max(target_bytes, 0) // (math.prod(shape[1:]) * itemsize) // step * step
+    return min(rows, shape[0])
+
+
+def can_tile(weight: fx.Node, shape: Sequence[int]) -> bool:
+    """Whether a weight of ``shape`` can stream in tiles of rows: 2-D, and every use of it a projection
+    by it or a row lookup."""
+    return len(shape) == 2 and blocking_use(weight) is None
+
+
+def smallest_tile_bytes(shape: Sequence[int], itemsize: int) -> int:
+    """What the smallest tile of a 2-D weight holds while it computes: its rows, and their copy."""
+    return 2 * min(fewest_rows(shape, itemsize), shape[0]) * math.prod(shape[1:]) * itemsize
+
+
+def smallest_unit(record: WeightRecord) -> int:
+    """The fewest bytes ``record`` can stream in: one tile of the fewest rows for a 2-D weight (held
+    twice while it computes), else the whole weight. Whether its uses allow tiles is known at capture."""
+    if len(record.shape) != 2:
+        return record.footprint
+    return min(record.footprint, smallest_tile_bytes(record.shape, record.dtype.itemsize))
+
+
+def tile_ranges(rows: int, per_tile: int) -> list[tuple[int, int]]:
+    """The row ranges of ``rows`` rows cut ``per_tile`` at a time (the last may be shorter)."""
+    return [(start, min(start + per_tile, rows)) for start in range(0, rows, per_tile)]
+
+
+def tile_oversized(
+    gm: fx.GraphModule, facts: GraphFacts, store: WeightStore, memory: MemoryModel
+) -> tuple[fx.GraphModule, list[torch.nn.Parameter]]:
+    """On the CPU, split each weight of ``gm`` that cannot stream beside another piece into tiles of
+    rows: the graph rewritten (a copy, or ``gm`` itself when nothing is split), and a ghost for each
+    tile's new placeholder, in their order.
+
+    Raises:
+        BudgetTooSmallError: such a weight cannot fit even alone and a use of it cannot be tiled, or not
+            even two of its smallest tiles fit beside the activations.
+    """
+    room = memory.room(facts.activation_bytes)
+    if room is None or store.device.type != "cpu":
+        return gm, []
+    records = store.records
+    sizes = sizes_for_budget(facts.weight_bytes, facts.names, facts.lookups, records, "cpu")
+    # a weight held in RAM on a CPU run does not stream (and a tile is split already)
+    streamed = [
+        n for n in sizes if records[facts.names[n]].host is None and records[facts.names[n]].tile_of is None
+    ]
+    tileable: list[fx.Node] = []
+    whole: list[fx.Node] = []
+    for node in [n for n in streamed if sizes[n] > room // 2]:
+        shape = records[facts.names[node]].shape
+        (tileable if len(shape) == 2 and blocking_use(node) is None else whole).append(node)
+    # tiles hold one more output of their projection while they compute: the room is what is left
+    activations = _activations_when_tiled(gm, facts, tileable) if tileable else facts.activation_bytes
+    room = memory.budget - memory.fixed_bytes - activations  # type: ignore[operator]
+    todo, short = [], []  # short: (the budget it needs, why)
+    for node in whole:
+        record, blocker = records[facts.names[node]], blocking_use(node)
+        if sizes[node] > room:
+            use = f"its use by {describe(blocker)}" if blocker else f"a {len(record.shape)}-D weight"
+            why = (
+                f"{record.name} takes {format_bytes(sizes[node])} and must fit whole: {use} cannot be "
+                "split into tiles of rows (linear projections and embedding lookups can)"
+            )
+            short.append((memory.smallest_budget(sizes[node], activations), why))
+    for node in tileable:
+        record = records[facts.names[node]]
+        shape, itemsize = record.shape, record.dtype.itemsize
+        # two tiles in flight in the room, else tiles that stream alone
+        per_tile = rows_per_tile(shape, itemsize, room // 4) or rows_per_tile(shape, itemsize, room // 2)
+        todo.append((node, record, per_tile))
+        if not per_tile:
+            unit = smallest_unit(record)
+            why = f"not even the smallest tile of rows of {record.name} ({format_bytes(unit)} with its copy) fits"
+            short.append((memory.smallest_budget(unit, activations), why))
+    if short:
+        smallest, why = max(short)
+        raise memory.too_small(smallest, activations, why)
+    if not todo:
+        return gm, []
+    gm, copies = own_copy(gm)
+    ghosts, tiled = [], []
+    for node, record, per_tile in todo:
+        tiling = split_projections(gm, copies[node], tile_ranges(record.shape[0], per_tile))
+        tiled.append(f"{record.name} ({len(tiling.tiles)} tiles of {per_tile} rows)")
+        for start, stop, _ in tiling.tiles:
+            ghosts.append(ghost_for(store, store.add_tile(record.name, start, stop), store.device))
+    report("too large to stream beside another piece, split into tiles: %s", ", ".join(tiled))
+    return gm, ghosts
+
+
+def _activations_when_tiled(gm: fx.GraphModule, facts: GraphFacts, weights: list[fx.Node]) -> int:
+    """The activation peak of ``gm`` with ``weights`` split (into two tiles: more do not hold more)."""
+    probe, copies = own_copy(gm)
+    weight_nodes = {copies[n] for n in facts.weight_bytes}
+    for weight in weights:
+        rows = int(traced_value(weight).shape[0])
+        tiling = split_projections(probe, copies[weight], tile_ranges(rows, max(rows // 2, 1)))
+        weight_nodes.update(tile for _start, _stop, tile in tiling.tiles)
+    return activation_peak(probe.graph, weight_nodes)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """A weight placeholder of a graph, and the placeholder that stands for each of its tiles."""
+
+    weight: fx.Node
+    tiles: tuple[tuple[int, int, fx.Node], ...]  # (first row, one past the last, placeholder)
+
+
+def own_copy(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+    """A copy of a graph dynamo handed to a backend, to rewrite (dynamo reads its own afterwards), and
+    each of its nodes' copy."""
+    graph = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, copies))
+    return fx.GraphModule(gm, graph), copies
+
+
+def split_projections(gm: fx.GraphModule, weight: fx.Node, ranges: Sequence[tuple[int, int]]) -> Tiling:
+    """Rewrite every ``linear`` of ``weight`` in ``gm`` as a chain of ``tile_linear`` calls, one per range
+    of rows, each reading a new placeholder (appended after the graph's own, so the call's arguments keep
+    their positions) and filling its columns of the first call's output. Row lookups keep ``weight``."""
+    graph = gm.graph
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    weight_value = traced_value(weight)
+    rows = int(weight_value.shape[0])
+    tiles = []
+    for start, stop in ranges:
+        with graph.inserting_after(last):
+            last = graph.placeholder(f"{weight.name}_rows_{start}_{stop}")
+        with weight_value.fake_mode:
+            last.meta["example_value"] = weight_value[start:stop]
+        tiles.append((start, stop, last))
+    for user in [u for u in weight.users if _is_projection_of(u, weight)]:
+        x = user.args[0]
+        bias = user.args[2] if len(user.args) > 2 else user.kwargs.get("bias")
+        filled: fx.Node | None = None
+        with graph.inserting_before(user):
+            for start, _stop, tile in tiles:
+                filled = graph.call_function(tile_linear, (x, tile, bias, start, rows, filled))
+                filled.meta["example_value"] = traced_value(user)
+        assert filled is not None, f"{weight.name}: no rows to tile"
+        user.replace_all_uses_with(filled)
+        graph.erase_node(user)
+    gm.recompile()
+    return Tiling(weight, tuple(tiles))
+
+
+def extra_activation_bytes(weight: fx.Node) -> int:
+    """What tiling ``weight`` adds to the activations: one more output of its largest projection while
+    a tile computes beside the output being filled."""
+    return max(
+        (value_bytes(traced_value(u)) for u in weight.users if _is_projection_of(u, weight)), default=0
+    )
+
+
+class _WholeShapedBuffer:
+    """An anonymous private mapping shaped like a whole weight: pages never written read as zeros and
+    take no memory. One call at a time (its lock)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        size = math.prod(shape) * dtype.itemsize
+        self.map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8).view(dtype).view(shape)
+        self.row_bytes = size // shape[0]
+        self.lock = threading.Lock()
+
+    def give_back(self, start: int, stop: int) -> None:
+        """Return the pages that rows ``start:stop`` wholly cover (the edges stay: other rows' values
+        never reach a tile's columns)."""
+        first = -(-start * self.row_bytes // _PAGE) * _PAGE
+        last = stop * self.row_bytes // _PAGE * _PAGE
+        if last > first:
+            self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+_buffers: dict[tuple[tuple[int, ...], torch.dtype], _WholeShapedBuffer] = {}
+_buffers_lock = threading.Lock()
+
+
+def _buffer(shape: tuple[int, ...], dtype: torch.dtype) -> _WholeShapedBuffer:
+    with _buffers_lock:
+        key = (shape, dtype)
+        if key not in _buffers:
+            _buffers[key] = _WholeShapedBuffer(shape, dtype)
+        return _buffers[key]
+
+
+@torch.compiler.disable
+def tile_linear(
+    x: torch.Tensor,
+    tile: torch.Tensor,
+    bias: torch.Tensor | None,
+    start: int,
+    rows: int,
+    filled: torch.Tensor | None,
+) -> torch.Tensor:
+    """``linear(x, W, bias)`` for a ``W`` of ``rows`` rows of which only ``tile`` (its rows from ``start``)
+    is given: exact in the tile's columns. The first tile's call returns its whole output; each later
+    one copies its columns into that output (``filled``) and returns it."""
+    buffer = _buffer((rows, *tile.shape[1:]), tile.dtype)
+    stop = start + tile.shape[0]
+    with buffer.lock:
+        whole = buffer.tensor
+        whole[start:stop].copy_(tile)
+        if tile.requires_grad:  # the flag picks some of ATen's kernels: see ``loaders.as_parameters``
+            whole = whole.detach().requires_grad_()
+        try:
+            out = torch.nn.functional.linear(x, whole, bias)
+        finally:
+            buffer.give_back(start, stop)
+    if filled is None:
+        return out
+    filled[..., start:stop] = out[..., start:stop]
+    return filled

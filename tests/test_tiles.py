@@ -1,0 +1,178 @@
+"""Weights too large for a piece stream in tiles of rows and give eager's output bit for bit: the tile
+computation itself on shapes where slicing the weight does not, the store's tile records, and whole
+models with a vocabulary large against their hidden size at 5-15% of their weights."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+from torch import nn
+
+import fxoffload_hf
+from fxoffload_hf import tiles
+from fxoffload_hf.memory_model import BudgetTooSmallError
+from fxoffload_hf.safetensors_io import TensorSlice
+from fxoffload_hf.weights import WeightStore
+
+
+def tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_tile: int) -> torch.Tensor:
+    """``linear(x, weight, bias)`` computed tile by tile, as a rewritten graph does."""
+    filled = None
+    for start, stop in tiles.tile_ranges(weight.shape[0], per_tile):
+        filled = tiles.tile_linear(x, weight[start:stop], bias, start, weight.shape[0], filled)
+    assert filled is not None
+    return filled
+
+
+# (rows, columns, tokens): a matrix-vector product over an odd number of rows (MKL computes a row
+# pair's tail apart, so slices of the weight round differently from the whole), a reduction MKL may
+# split among threads by shape, and ordinary shapes
+@pytest.mark.parametrize(
+    ("rows", "cols", "tokens"), [(50257, 256, 1), (1000, 1024, 33), (32000, 256, 7), (4099, 64, 2)]
+)
+@pytest.mark.parametrize("per_tile", [4096, 1000])
+def test_tile_linear_equals_the_whole_projection(rows: int, cols: int, tokens: int, per_tile: int) -> None:
+    gen = torch.Generator().manual_seed(rows + tokens)
+    weight = torch.randn(rows, cols, generator=gen)
+    bias = torch.randn(rows, generator=gen)
+    x = torch.randn(2, tokens, cols, generator=gen)
+    assert torch.equal(tiled(x, weight, None, per_tile), torch.nn.functional.linear(x, weight))
+    assert torch.equal(tiled(x, weight, bias, per_tile), torch.nn.functional.linear(x, weight, bias))
+
+
+def test_a_tiles_pages_are_given_back() -> None:
+    """After a tile's call its buffer rows read as zeros again (their pages went back to the kernel),
+    except the partial pages at its edges."""
+    weight = torch.randn(3000, 256)  # 1 KiB rows: four to a page
+    tiles.tile_linear(torch.randn(1, 256), weight[1024:2048], None, 1024, 3000, None)
+    buffer = tiles._buffer((3000, 256), torch.float32).tensor
+    rows_per_page = mmap.PAGESIZE // 1024
+    assert not buffer[1024 + rows_per_page : 2048 - rows_per_page].any()
+
+
+@pytest.mark.parametrize(("cols", "itemsize"), [(256, 4), (1000, 2), (3, 4), (8192, 2)])
+@pytest.mark.parametrize("target", [0, 5000, 2**20, 2**30])
+def test_rows_per_tile_fills_whole_pages_within_the_target(cols: int, itemsize: int, target: int) -> None:
+    rows = tiles.rows_per_tile((100_000, cols), itemsize, target)
+    row_bytes = cols * itemsize
+    assert rows * row_bytes % mmap.PAGESIZE == 0 or rows == 100_000
+    assert rows * row_bytes <= target or rows == 0
+    assert (rows + tiles.fewest_rows((100_000, cols), itemsize)) * row_bytes > target or rows == 100_000
+
+
+def test_tile_records_point_into_their_weight(tmp_path) -> None:
+    store = WeightStore(torch.device("cpu"))
+    source = TensorSlice(tmp_path / "w.safetensors", "w", 128, 100 * 64 * 4, torch.float32, (100, 64))
+    store.add_disk("w", source)
+    tile = store.add_tile("w", 20, 50)
+    assert tile.disk is not None
+    assert (tile.disk.offset, tile.disk.nbytes, tile.shape) == (128 + 20 * 256, 30 * 256, (30, 64))
+    assert tile.footprint == 2 * tile.nbytes  # held twice while it computes: streamed, and copied
+    assert store.add_tile("w", 20, 50) is tile
+    assert [r.name for r in store.weights()] == ["w"]
+    host = torch.arange(12.0).view(6, 2)
+    store.add_host("h", host)
+    assert torch.equal(store.add_tile("h", 2, 4).host, host[2:4])
+    store.set_dtype("h", torch.float64)
+    assert store.records["h[2:4]"].host.dtype == torch.float64
+
+
+def _vocab_heavy_llama(folder):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def _odd_vocab_gpt2(folder):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=50257, n_embd=64, n_layer=2, n_head=4)  # tied head
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def _weights(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three prompts of different lengths, left-padded, with their mask."""
+    ids = torch.randint(1, 30000, (3, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate((0, 4, 6)):
+        ids[row, :pad], mask[row, :pad] = 0, 0
+    return ids, mask
+
+
+@pytest.mark.parametrize(("make", "share"), [(_vocab_heavy_llama, 0.05), (_odd_vocab_gpt2, 0.15)])
+def test_generate_with_tiled_output_head_equals_eager(tmp_path, make, share: float) -> None:
+    eager = make(tmp_path)
+    ids, mask = _prompts()
+    greedy = dict(
+        max_new_tokens=5, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True
+    )
+    with torch.no_grad():
+        expected = eager.generate(ids, attention_mask=mask, **greedy)
+    budget = int(_weights(eager) * share)
+    model = fxoffload_hf.from_pretrained(tmp_path, offload="fx", cpu_memory=budget)
+    try:
+        with torch.no_grad():
+            got = model.generate(ids, attention_mask=mask, **greedy)
+        assert torch.equal(got.sequences, expected.sequences)
+        for score, eager_score in zip(got.scores, expected.scores, strict=True):
+            assert torch.equal(score, eager_score)
+        engine = fxoffload_hf.engine_of(model)
+        assert any(r.tile_of for r in engine.store.records.values()), "the output head was not tiled"
+        assert engine.plan is not None and engine.plan.in_flight_bytes <= budget
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_forward_logits_with_tiles_equal_eager(tmp_path) -> None:
+    eager = _vocab_heavy_llama(tmp_path)
+    ids = torch.randint(0, 32000, (1, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = eager(ids).logits
+    model = fxoffload_hf.from_pretrained(tmp_path, offload="fx", cpu_memory=int(_weights(eager) * 0.1))
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, expected)
+    finally:
+        fxoffload_hf.restore(model)
+
+
+class _Transposed(nn.Module):
+    """A large weight used through ``matmul`` with its transpose: not a projection tiles can serve."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(256, 4096, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, self.head.weight.t())
+
+
+def test_a_weight_no_tile_can_serve_is_refused_naming_its_use() -> None:
+    model = fxoffload_hf.offload(_Transposed(), cpu_memory=2 * 2**20)  # the weight takes 4 MiB
+    try:
+        with pytest.raises(
+            BudgetTooSmallError, match=r"head.weight takes 4.00 MiB and must fit whole: its use by `t`"
+        ):
+            model(torch.randn(1, 256))
+    finally:
+        fxoffload_hf.restore(model)
