@@ -6,11 +6,11 @@ streams like any other. Splitting the rows keeps each output element's sum whole
 every BLAS: MKL picks how it splits the work (the reduction among threads, pairs of rows in a
 matrix-vector product) by the shape of the call, so ``linear(x, W[a:b])`` can differ from the rows
 ``a:b`` of ``linear(x, W)`` in the last bit. So each tile is computed with the whole weight's shape: its
-rows copied into a buffer shaped like the whole weight whose other pages are never written (they read
-as the kernel's shared zero page and take no memory), the call made as eager makes it, and the tile's
-output columns kept. The copy is the tile's cost in memory (``WeightRecord.footprint`` counts it), and
-each tile's call computes as much as the whole projection (cheap beside the stream for one token; a
-long prompt's full logits take as many times the compute as there are tiles).
+rows put into a buffer shaped like the whole weight whose other rows read as zeros and take no memory
+(``tile_buffer``), the call made as eager makes it, and the tile's output columns kept. The copy is the
+tile's cost in memory (``WeightRecord.footprint`` counts it), and each tile's call computes as much as
+the whole projection (cheap beside the stream for one token; a long prompt's full logits take as many
+times the compute as there are tiles).
 
 Only on the CPU: a device buffer has no shared zero page.
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from fxoffload_hf.graphs import GraphFacts, activation_peak, is_row_lookup, trac
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
 from fxoffload_hf.planner import sizes_for_budget
 from fxoffload_hf.progress import report
+from fxoffload_hf.tile_buffer import whole_shaped
 from fxoffload_hf.weights import WeightRecord, WeightStore
 
 _PAGE = mmap.PAGESIZE
@@ -229,38 +229,6 @@ def extra_activation_bytes(weight: fx.Node) -> int:
     )
 
 
-class _WholeShapedBuffer:
-    """An anonymous private mapping shaped like a whole weight: pages never written read as zeros and
-    take no memory. One call at a time (its lock)."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        size = math.prod(shape) * dtype.itemsize
-        self.map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8).view(dtype).view(shape)
-        self.row_bytes = size // shape[0]
-        self.lock = threading.Lock()
-
-    def give_back(self, start: int, stop: int) -> None:
-        """Return the pages that rows ``start:stop`` wholly cover (the edges stay: other rows' values
-        never reach a tile's columns)."""
-        first = -(-start * self.row_bytes // _PAGE) * _PAGE
-        last = stop * self.row_bytes // _PAGE * _PAGE
-        if last > first:
-            self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
-
-
-_buffers: dict[tuple[tuple[int, ...], torch.dtype], _WholeShapedBuffer] = {}
-_buffers_lock = threading.Lock()
-
-
-def _buffer(shape: tuple[int, ...], dtype: torch.dtype) -> _WholeShapedBuffer:
-    with _buffers_lock:
-        key = (shape, dtype)
-        if key not in _buffers:
-            _buffers[key] = _WholeShapedBuffer(shape, dtype)
-        return _buffers[key]
-
-
 @torch.compiler.disable
 def tile_linear(
     x: torch.Tensor,
@@ -273,17 +241,18 @@ def tile_linear(
     """``linear(x, W, bias)`` for a ``W`` of ``rows`` rows of which only ``tile`` (its rows from ``start``)
     is given: exact in the tile's columns. The first tile's call returns its whole output; each later
     one copies its columns into that output (``filled``) and returns it."""
-    buffer = _buffer((rows, *tile.shape[1:]), tile.dtype)
+    buffer = whole_shaped((rows, *tile.shape[1:]), tile.dtype)
     stop = start + tile.shape[0]
     with buffer.lock:
-        whole = buffer.tensor
-        whole[start:stop].copy_(tile)
-        if tile.requires_grad:  # the flag picks some of ATen's kernels: see ``loaders.as_parameters``
-            whole = whole.detach().requires_grad_()
+        held = buffer.hold(start, stop)
         try:
+            whole = buffer.tensor
+            whole[start:stop].copy_(tile)
+            if tile.requires_grad:  # the flag picks some of ATen's kernels: see ``loaders.as_parameters``
+                whole = whole.detach().requires_grad_()
             out = torch.nn.functional.linear(x, whole, bias)
         finally:
-            buffer.give_back(start, stop)
+            buffer.release(*held, last=stop == rows)
     if filled is None:
         return out
     filled[..., start:stop] = out[..., start:stop]

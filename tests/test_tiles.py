@@ -5,13 +5,14 @@ models with a vocabulary large against their hidden size at 5-15% of their weigh
 from __future__ import annotations
 
 import mmap
+import os
 
 import pytest
 import torch
 from torch import nn
 
 import fxoffload_hf
-from fxoffload_hf import tiles
+from fxoffload_hf import tile_buffer, tiles
 from fxoffload_hf.memory_model import BudgetTooSmallError
 from fxoffload_hf.safetensors_io import TensorSlice
 from fxoffload_hf.weights import WeightStore
@@ -43,13 +44,17 @@ def test_tile_linear_equals_the_whole_projection(rows: int, cols: int, tokens: i
 
 
 def test_a_tiles_pages_are_given_back() -> None:
-    """After a tile's call its buffer rows read as zeros again (their pages went back to the kernel),
-    except the partial pages at its edges."""
+    """After the last tile of a projection its buffer reads as zeros again and the slot that held the
+    tiles' copies is empty: no copy outlives the call."""
     weight = torch.randn(3000, 256)  # 1 KiB rows: four to a page
-    tiles.tile_linear(torch.randn(1, 256), weight[1024:2048], None, 1024, 3000, None)
-    buffer = tiles._buffer((3000, 256), torch.float32).tensor
-    rows_per_page = mmap.PAGESIZE // 1024
-    assert not buffer[1024 + rows_per_page : 2048 - rows_per_page].any()
+    x = torch.randn(1, 256)
+    filled = None
+    for start, stop in tiles.tile_ranges(3000, 1024):
+        filled = tiles.tile_linear(x, weight[start:stop], None, start, 3000, filled)
+        buffer = tile_buffer.whole_shaped((3000, 256), torch.float32)
+        assert not buffer.tensor.any()  # between tiles too
+    assert buffer.slot_bytes == 0 and os.fstat(buffer.slot).st_size == 0
+    assert torch.equal(filled, torch.nn.functional.linear(x, weight))
 
 
 @pytest.mark.parametrize(("cols", "itemsize"), [(256, 4), (1000, 2), (3, 4), (8192, 2)])
