@@ -30,13 +30,15 @@ from fxoffload_hf.undo import PatchedAttribute, Undo
 # past it dynamo raises, so the limit is well above what a model's call patterns produce.
 _REUSE_ENTRIES = 256
 _PLAIN = (torch.Tensor, int, float, bool, str, torch.dtype, torch.device, type(None))
+# Dynamo inlines nested regions back into a flat graph from torch 2.12 on; before it, blocks are traced plain.
+SUPPORTED = hasattr(torch._dynamo.config, "inline_invoke_subgraph")
 
 
 class BlockRegions:
     """The repeated blocks of one model, marked as nested compile regions while ``enabled``."""
 
     def __init__(self) -> None:
-        self.enabled = True
+        self.enabled = SUPPORTED
         self.blocks: list[nn.Module] = []
 
     def give_up(self) -> bool:
@@ -47,6 +49,8 @@ class BlockRegions:
     def mark(self, model: nn.Module) -> list[Undo]:
         """Route the repeated blocks of ``model`` through one region per block class; the undo records."""
         undo: list[Undo] = []
+        if not SUPPORTED:
+            return undo
         forwards: dict[Callable[..., Any], Callable[..., Any]] = {}
         for block in repeated_blocks(model):
             plain = type(block).forward

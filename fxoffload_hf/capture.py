@@ -19,6 +19,7 @@ import torch
 import torch.fx.experimental._config as shape_config
 from torch import nn
 
+from fxoffload_hf import blocks
 from fxoffload_hf.blocks import BlockRegions
 from fxoffload_hf.weights import WeightRecord, WeightStore
 
@@ -144,20 +145,22 @@ def compile_entry(
 @contextmanager
 def capture_settings() -> Iterator[None]:
     """Dynamo's settings while fxoffload captures (see the notes inside)."""
+    dynamo_settings: dict[str, Any] = {
+        "recompile_limit": RECOMPILE_LIMIT,
+        # float attributes of modules (norm epsilons, attention scales) stay constants of the graph: as
+        # symbols they add a placeholder and a guard each and never change between calls
+        "specialize_float": True,
+    }
+    if blocks.SUPPORTED:
+        # repeated blocks are traced once as nested regions (``blocks``), then inlined: the engine
+        # partitions a flat graph
+        dynamo_settings["inline_invoke_subgraph"] = True
     with (
         # sizes that happen to be equal are not given one symbol (duck sizing): a cache of 64 positions
         # and a head dimension of 64 would be, and the first decode step after a 64-token prompt would
         # be captured for that length alone
         shape_config.patch(use_duck_shape=False),  # type: ignore[attr-defined]
-        torch._dynamo.config.patch(
-            recompile_limit=RECOMPILE_LIMIT,
-            # float attributes of modules (norm epsilons, attention scales) stay constants of the graph:
-            # as symbols they add a placeholder and a guard each and never change between calls
-            specialize_float=True,
-            # repeated blocks are traced once as nested regions (``blocks``), then inlined: the engine
-            # partitions a flat graph
-            inline_invoke_subgraph=True,
-        ),
+        torch._dynamo.config.patch(dynamo_settings),
     ):
         yield
 
