@@ -30,7 +30,7 @@ from fxoffload_hf.capture import (
 from fxoffload_hf.config import BudgetSpec, OffloadConfig
 from fxoffload_hf.eager_fallback import EagerWeights
 from fxoffload_hf.engine import Engine
-from fxoffload_hf.memory import memory_limit, tensor_nbytes
+from fxoffload_hf.memory import free_host_memory, memory_limit, tensor_nbytes
 from fxoffload_hf.memory_model import MemoryModel
 from fxoffload_hf.progress import stage
 from fxoffload_hf.safetensors_io import CheckpointError, TensorSlice
@@ -43,9 +43,11 @@ from fxoffload_hf.undo import (
     SwappedParameter,
     Undo,
 )
-from fxoffload_hf.weights import WeightStore
+from fxoffload_hf.weights import Tier, WeightStore
 
 STATE_ATTR = "_fxoffload_state"
+# share of free host RAM a GPU run fills with weights read from their files when cpu_memory is not given
+_HOST_SHARE_FOR_WEIGHTS = 0.8
 
 Uses = list[tuple[nn.Module, str, str]]  # every (module, attribute, dotted name) holding one parameter
 
@@ -130,6 +132,9 @@ def offload(
                 memory.check_weights(r.footprint for r in store.weights())
             _spill_what_ram_cannot_hold(store, config, fixed)
         if config.device.type == "cuda":
+            if store.bytes_in(Tier.DISK):
+                with stage("weights read into host RAM for %s: %s", config.device, store):
+                    store.read_into_ram(_host_room(store, config))
             store.pin_host_memory()
         holders = _install_ghosts(large, store, config.device, undo)
         eager = _guard_modules(model, holders, engine, undo)
@@ -259,6 +264,14 @@ def _spill_what_ram_cannot_hold(store: WeightStore, config: OffloadConfig, fixed
     """Under ``cpu_memory``, weights in RAM that do not fit it go to disk (the offload folder)."""
     if not MemoryModel(config.cpu_memory, "cpu_memory", fixed).fits(resident=store.ram_bytes()):
         store.spill_ram(config.offload_folder)
+
+
+def _host_room(store: WeightStore, config: OffloadConfig) -> int:
+    """Bytes of host RAM a GPU run may fill with weights read from their files: what ``cpu_memory``
+    leaves, or without it most of the free memory (accelerate's ``device_map="auto"`` fills it all)."""
+    if config.cpu_memory is not None:
+        return max(config.cpu_memory - store.ram_bytes(), 0)
+    return int(free_host_memory() * _HOST_SHARE_FOR_WEIGHTS)
 
 
 def _install_ghosts(

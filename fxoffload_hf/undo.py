@@ -40,9 +40,11 @@ class StoredParameter:
 
     def undo(self) -> None:
         record = self.store.records.get(self.name)
-        if record is not None and record.host is not None:
+        if record is None or self.original.device.type == "meta":
+            return  # a parameter loaded from a checkpoint by fxoffload was never in memory: it stays so
+        if record.host is not None:
             self.original.data = record.host  # the same tensor, unless model.to(dtype) converted it
-        elif record is not None and self.original.device.type != "meta":
+        else:
             self.original.data = self.store.read(record).clone()
 
 

@@ -253,6 +253,23 @@ class WeightStore:
         record.dtype = dtype
         self._refresh_tiles(name)
 
+    def read_into_ram(self, room: int) -> int:
+        """Read weights that only a file holds into host RAM while they fit in ``room`` bytes, in the
+        model's order; the bytes read. For a GPU: a weight in RAM is copied to the device from pinned
+        memory, at the link's speed, instead of read from its file (and staged) for every use. The file
+        range stays known, so dropping the copy needs no write."""
+        used = 0
+        for record in self.weights():
+            if record.disk is None or record.host is not None or record.resident is not None:
+                continue
+            if used + record.nbytes > room:
+                continue
+            record.host = self.read_source(record.disk, record.dtype)
+            used += record.nbytes
+        if used:
+            self.version += 1
+        return used
+
     def pin_host_memory(self) -> None:
         """Page-lock host-tier tensors for fast, asynchronous copies, in place where CUDA allows
         (``cudaHostRegister``), so host RAM holds each weight once; else one tensor at a time."""

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import fxoffload_hf
+from fxoffload_hf.weights import Tier
 
 pytestmark = [
     pytest.mark.gpu,
@@ -175,5 +176,30 @@ def test_host_ram_holds_each_weight_once(build_model, weight_bytes):
         assert host and all(t.is_pinned() for t in host)
         in_place = sum(t.data_ptr() in ptrs_before for t in host)
         assert in_place == len(host), "weights were copied instead of pinned in place"
+    finally:
+        fxoffload_hf.restore(model)
+
+
+@pytest.mark.parametrize("cpu_share", [None, 0.5])
+def test_a_checkpoint_streams_to_the_gpu_from_pinned_ram_up_to_cpu_memory(
+    cpu_share, tmp_path, save_checkpoint, logits, weight_bytes
+):
+    eager = save_checkpoint("llama", tmp_path / "ckpt")
+    total = weight_bytes(eager)
+    ids = torch.randint(0, 1000, (1, 24), generator=torch.Generator().manual_seed(0))
+    expected = logits(eager.cuda(), ids.cuda())
+    cpu_memory = None if cpu_share is None else int(total * cpu_share)
+    model = fxoffload_hf.from_pretrained(
+        tmp_path / "ckpt", gpu_memory=total // 3, cpu_memory=cpu_memory, device="cuda"
+    )
+    try:
+        store = fxoffload_hf.engine_of(model).store
+        in_ram = [r for r in store.weights() if r.host is not None]
+        assert in_ram and all(r.host.is_pinned() for r in in_ram)
+        if cpu_memory is None:  # all of it read once
+            assert store.bytes_in(Tier.DISK) == 0
+        else:  # what cpu_memory holds; the rest staged from its file at each use
+            assert 0 < store.ram_bytes() <= cpu_memory and store.bytes_in(Tier.DISK) > 0
+        torch.testing.assert_close(logits(model, ids.cuda()), expected)
     finally:
         fxoffload_hf.restore(model)
