@@ -103,8 +103,16 @@ def main() -> None:
     gc.collect()
     torch.cuda.empty_cache()
 
+    print(
+        f"fxoffload: {results['fxoffload']['tokens_per_second']} tok/s, eager {results['eager']['tokens_per_second']}"
+    )
+    # no Hub kernels: offline, transformers would fetch them for the layers it places on the GPU
     accelerate_model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.bfloat16, device_map="auto", max_memory={0: budget, "cpu": "200GiB"}
+        folder,
+        dtype=torch.bfloat16,
+        device_map="auto",
+        max_memory={0: budget, "cpu": "200GiB"},
+        use_kernels=False,
     )
     results["accelerate"] = decode(accelerate_model, ids, args.new_tokens)
     del accelerate_model

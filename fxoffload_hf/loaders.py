@@ -41,13 +41,15 @@ class Way(enum.Enum):
     COPIED = "copied"
 
 
-def way_of(record: WeightRecord, device_type: str) -> Way:
-    """How ``record`` comes in for a piece, given its tier and the compute device."""
+def way_of(record: WeightRecord, device_type: str, *, rows_only: bool = False) -> Way:
+    """How ``record`` comes in for a piece, given its tier and the compute device; ``rows_only``: the
+    graph only looks rows up in it (copies of rows: its pages need no alignment for the compute)."""
     tier = record.tier
     if not tier.streams:
         return Way.HELD
     if device_type == "cpu":
-        return Way.MAPPED if record.in_place else Way.STAGED
+        copied_from = rows_only or record.tile_of is not None  # a tile is copied into its whole buffer
+        return Way.MAPPED if (record.mappable if copied_from else record.in_place) else Way.STAGED
     return Way.STAGED if tier.from_file else Way.COPIED
 
 
@@ -70,7 +72,7 @@ class LoadSpec:
     ) -> LoadSpec:
         by_way: dict[Way, list[WeightRecord]] = {way: [] for way in Way}
         for record in {r.name: r for r in records}.values():  # a weight two pieces of a load share: once
-            by_way[way_of(record, device_type)].append(record)
+            by_way[way_of(record, device_type, rows_only=record.name in lookups)].append(record)
         held = tuple(by_way[Way.HELD])
         return cls(
             held=held,

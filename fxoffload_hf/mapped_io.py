@@ -45,14 +45,18 @@ _madvise.restype = ctypes.c_int
 # Some of ATen's CPU kernels take another path, with other rounding, for an operand not aligned to 16
 # bytes: a matrix-vector product (a linear layer on one token), the grouped product of stacked experts.
 # The allocator aligns eager's copy to 64 bytes, and a file offset keeps its alignment in a mapping (both
-# are page-aligned), so a weight is used in place only where its offset is aligned to 16; else it is
-# read into the (aligned) staging arena, at the cost of a copy.
-_MAPPED_ALIGN = 16
+# are page-aligned), so a weight is computed with in place only where its offset is aligned to 16; else
+# it is read into the (aligned) staging arena, at the cost of a copy. Rows looked up in a table, or a
+# tile copied into its whole-shaped buffer, are copied anyway: they are mapped at any offset.
+_COMPUTE_ALIGN = 16
 
 
-def can_map(source: TensorSlice, dtype: torch.dtype) -> bool:
-    """Whether a weight can be used straight from its file: same dtype, its offset aligned to 16 bytes."""
-    return source.dtype == dtype and source.offset % _MAPPED_ALIGN == 0 and source.nbytes > 0
+def can_map(source: TensorSlice, dtype: torch.dtype, *, compute: bool = True) -> bool:
+    """Whether a weight can be used straight from its file: same dtype, aligned for its element size,
+    and, where ops ``compute`` with the mapped pages themselves, to 16 bytes."""
+    if source.dtype != dtype or source.nbytes == 0 or source.offset % dtype.itemsize:
+        return False
+    return not compute or source.offset % _COMPUTE_ALIGN == 0
 
 
 @dataclass

@@ -136,7 +136,11 @@ def plan_model(
         cuts.append(cuts_for(moving, flight_room))
         streamed.append([_bytes(piece, lambda r: r.tier.from_file and r.name in whole) for piece in pieces])  # noqa: B023
     staged = [
-        [_bytes(piece, lambda r: way_of(r, device_type) is Way.STAGED) for piece in g] for g in per_graph
+        [
+            _bytes(piece, lambda r: way_of(r, device_type, rows_only=r.name in g.lookups) is Way.STAGED)  # noqa: B023
+            for piece in pieces
+        ]
+        for g, pieces in zip(graphs, per_graph, strict=True)
     ]
     arena = max((window_bytes(s, 2, c) for s, c in zip(staged, cuts, strict=True) if any(s)), default=0)
     distances = [
@@ -168,7 +172,7 @@ def plan_model(
 def read_by_rows(record: WeightRecord, lookups: frozenset[str], device_type: str) -> bool:
     """A table the graph only looks rows up in, read where it lies (mapped file pages on the CPU): only
     the rows looked up are brought in, so the table never counts whole."""
-    return record.name in lookups and way_of(record, device_type) is Way.MAPPED
+    return record.name in lookups and way_of(record, device_type, rows_only=True) is Way.MAPPED
 
 
 def _kept_bytes(records: Mapping[str, WeightRecord]) -> int:

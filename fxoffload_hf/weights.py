@@ -89,8 +89,14 @@ class WeightRecord:
 
     @property
     def in_place(self) -> bool:
-        """Whether its file's bytes can be used as they lie: same dtype, aligned (CPU streaming)."""
+        """Whether ops can compute with its file's bytes as they lie (CPU streaming): same dtype, aligned
+        as eager's copy would be (``mapped_io.can_map``)."""
         return self.disk is not None and can_map(self.disk, self.dtype)
+
+    @property
+    def mappable(self) -> bool:
+        """Whether its file's bytes can be mapped to be copied from (rows looked up, a tile's rows)."""
+        return self.disk is not None and can_map(self.disk, self.dtype, compute=False)
 
 
 class WeightStore:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -160,13 +161,18 @@ def test_page_ranges_are_aligned_and_merged():
 
 def test_only_same_dtype_aligned_tensors_are_used_in_place(shard):
     path, _ = shard
-    slices = read_header(path)
-    assert can_map(slices["big"], torch.float32)
-    assert not can_map(slices["big"], torch.bfloat16)  # converted as it streams: staged instead
-    assert can_map(slices["half"], torch.bfloat16)
+    big = read_header(path)["big"]
+    assert not can_map(big, torch.bfloat16)  # converted as it streams: staged instead
+    # ops compute with mapped pages at offsets aligned to 16 bytes (as eager's copies are, for ATen's
+    # kernels that round by alignment); rows and tiles are copied out of them at any element offset
+    for offset, computed in [(4096, True), (48, True), (8, False), (4, False)]:
+        moved = dataclasses.replace(big, offset=offset)
+        assert can_map(moved, torch.float32) is computed
+        assert can_map(moved, torch.float32, compute=False)
+    assert not can_map(dataclasses.replace(big, offset=6), torch.float32, compute=False)
 
 
-def test_cpu_streaming_uses_no_staging_copy_and_keeps_residents_mapped(tmp_path):
+def test_cpu_streaming_uses_no_staging_copy_and_keeps_residents_mapped(tmp_path, place_data_at):
     import transformers as tf
 
     torch.manual_seed(0)
@@ -176,6 +182,7 @@ def test_cpu_streaming_uses_no_staging_copy_and_keeps_residents_mapped(tmp_path)
     )  # fmt: skip
     eager = tf.LlamaForCausalLM(cfg).eval()
     eager.save_pretrained(tmp_path / "ckpt")
+    place_data_at(tmp_path / "ckpt", 0)  # where ops compute with the mapped pages
     ids = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = eager(ids).logits

@@ -238,34 +238,14 @@ def _saved_keys(folder) -> set[str]:
     return keys
 
 
-def _rewrite_with_data_at(folder, remainder: int) -> None:
-    """Rewrite each shard of ``folder`` with metadata padded so that its tensors start at an offset
-    congruent to ``remainder`` modulo 16 (the safetensors format aligns them to 8 bytes only)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from fxoffload_hf.safetensors_io import read_header
-
-    for shard in folder.glob("*.safetensors"):
-        with safe_open(shard, "pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no Mapping)
-            metadata = f.metadata()
-        for pad in range(16):
-            save_file(tensors, shard, metadata={**metadata, "pad": "x" * pad})
-            if all(s.offset % 16 == remainder for s in read_header(shard).values()):
-                break
-        else:
-            raise AssertionError(f"no padding puts the tensors of {shard} at {remainder} modulo 16")
-
-
 @pytest.mark.parametrize("remainder", [0, 8])
 def test_weights_at_any_file_alignment_give_the_eager_tokens_one_by_one(
-    remainder, tmp_path, save_checkpoint, weight_bytes
+    remainder, tmp_path, save_checkpoint, weight_bytes, place_data_at
 ):
     # ATen's matrix-vector product (one token) rounds differently for an operand not aligned to 16
     # bytes: a weight at such an offset is read into the aligned arena instead of used in place
     eager = save_checkpoint("llama", tmp_path / "ckpt")
-    _rewrite_with_data_at(tmp_path / "ckpt", remainder)
+    place_data_at(tmp_path / "ckpt", remainder)
     model = fxoffload_hf.from_pretrained(tmp_path / "ckpt", cpu_memory=weight_bytes(eager) // 3, device="cpu")
     try:
         store = fxoffload_hf.engine_of(model).store

@@ -14,9 +14,10 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture
-def checkpoint(tmp_path):
+def checkpoint(tmp_path, place_data_at):
     tensors = {"a": torch.randn(64, 32), "b": torch.randn(128), "h": torch.randn(16, 16).half()}
     save_file(tensors, tmp_path / "w.safetensors")
+    place_data_at(tmp_path, 0)  # mapped in place (``mapped_io.can_map``)
     return tensors, read_header(tmp_path / "w.safetensors")
 
 
