@@ -253,13 +253,15 @@ def load(
     generate: bool,
 ) -> tuple[Any, Any, Any, Any]:
     """The offloaded model at ``budget``, its two forward outputs (the profiled call, the planned one) and
-    its greedy tokens (None unless ``generate``). A budget refused as too small is tried again (three
+    its greedy tokens (None unless ``generate``). A budget refused as too small is tried again (six
     times at most) at exactly the smallest budget the refusal names."""
     import torch
 
     # a refusal at load counts the weights alone, one at the first call adds the activations, one at
-    # generate's calls the KV cache they pass: follow each
-    for attempt in range(4):
+    # generate's calls the KV cache they pass, and a call cut by graph breaks learns each graph's
+    # activations when it reaches it (longformer: 45 breaks, three refusals in its first call): follow each
+    refusals = 6
+    for attempt in range(refusals + 1):
         record["budget"] = budget
         model = None
         where = "load"
@@ -284,7 +286,7 @@ def load(
         except fxoffload_hf.BudgetTooSmallError as exc:
             if model is not None:
                 fxoffload_hf.restore(model)
-            if attempt == 3:
+            if attempt == refusals:
                 raise
             record.setdefault("budget_raised_from", budget)
             record["first_refusal"] = {
