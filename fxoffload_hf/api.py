@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxoffload_hf import eager_paths, tiles
+from fxoffload_hf import align, eager_paths, tiles
 from fxoffload_hf.capture import (
     HANDLE_ATTR,
     GhostHandle,
@@ -126,7 +126,9 @@ def offload(
         engine = Engine(config, store, memory)
         with stage("weights placed for %s: %s", config.device, store):
             _store_weights(large, store, checkpoint)
-            if config.device.type == "cpu":  # a 2-D weight may stream in tiles of rows (``tiles``)
+            if config.device.type == "cpu":
+                align.warn_of_unaligned_weights(store)
+                # a 2-D weight may stream in tiles of rows (``tiles``)
                 memory.check_weights(map(tiles.smallest_unit, store.weights()), "weight (or tile of rows)")
             else:
                 memory.check_weights(r.footprint for r in store.weights())

@@ -40,6 +40,12 @@ def report(message: str, *args: object) -> None:
     logger.info(message, *args)
 
 
+def warn(message: str, *args: object) -> None:
+    """Log a line at WARNING: something that works, but costs the person time they can save."""
+    _configure()
+    logger.warning(message, *args)
+
+
 @contextmanager
 def stage(message: str, *args: object) -> Iterator[None]:
     """Log ``message`` with the seconds the block took, once it ends (not if it raises)."""

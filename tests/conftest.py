@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 import fxoffload_hf
-from fxoffload_hf.safetensors_io import read_header
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from harness.model import place_data_at  # noqa: E402 (the benchmarks' harness, beside the tests)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -275,21 +276,6 @@ def llama_ckpt(llama_master, tmp_path) -> tuple[Path, nn.Module]:
 @pytest.fixture
 def tiny():
     return build_model
-
-
-def place_data_at(folder: Path, remainder: int) -> None:
-    """Rewrite each shard of ``folder`` with metadata padded so that its tensors start at an offset
-    congruent to ``remainder`` modulo 16 (the safetensors format aligns them to 8 bytes only)."""
-    for shard in folder.glob("*.safetensors"):
-        with safe_open(shard, "pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no Mapping)
-            metadata = f.metadata()
-        for pad in range(16):
-            save_file(tensors, shard, metadata={**(metadata or {}), "pad": "x" * pad})
-            if all(s.offset % 16 == remainder for s in read_header(shard).values()):
-                break
-        else:
-            raise AssertionError(f"no padding puts the tensors of {shard} at {remainder} modulo 16")
 
 
 @pytest.fixture(name="place_data_at", scope="session")
