@@ -66,6 +66,31 @@ def decode(lm: Any, ids: torch.Tensor, new_tokens: int) -> dict[str, Any]:
     }
 
 
+def forward_logits(lm: Any, sequence: torch.Tensor) -> torch.Tensor:
+    """Logits of one forward over ``sequence`` (teacher-forced), on the host in fp32."""
+    with torch.no_grad():
+        return lm(sequence).logits[0].float().cpu()
+
+
+def compare_logits(expected: torch.Tensor, got: torch.Tensor, prompt_len: int) -> dict[str, Any]:
+    """Where offloaded logits part from eager's on the same tokens: the largest difference, the first
+    position whose greedy token differs, and eager's margin between its two best tokens there (a small
+    margin: a near tie that rounding flipped; a large one: a fault)."""
+    generated = slice(prompt_len - 1, expected.shape[0])
+    differs = (expected[generated].argmax(-1) != got[generated].argmax(-1)).nonzero()
+    first = int(differs[0]) if len(differs) else None
+    margin = None
+    if first is not None:
+        top2 = expected[prompt_len - 1 + first].topk(2).values
+        margin = float(top2[0] - top2[1])
+    return {
+        "max_abs_diff": float((expected - got).abs().max()),
+        "bit_exact": bool(torch.equal(expected, got)),
+        "first_token_that_differs": first,
+        "eager_top2_margin_there": margin,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -85,6 +110,8 @@ def main() -> None:
 
     eager = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda()
     results["eager"] = decode(eager, ids, args.new_tokens)
+    sequence = torch.tensor([results["eager"]["tokens"]], device="cuda")
+    eager_logits = forward_logits(eager, sequence)
     del eager
     gc.collect()
     torch.cuda.empty_cache()
@@ -92,6 +119,7 @@ def main() -> None:
     base_rss = psutil.Process().memory_info().rss
     offloaded = fxoffload_hf.from_pretrained(folder, gpu_memory=budget, cpu_memory=None, device="cuda")
     results["fxoffload"] = decode(offloaded, ids, args.new_tokens)
+    teacher_forced = compare_logits(eager_logits, forward_logits(offloaded, sequence), ids.shape[1])
     figures = engine.engine_report(offloaded)
     assert figures is not None, "fxoffload_hf.from_pretrained returned a model it does not run"
     stats = figures["stats"]
@@ -133,6 +161,7 @@ def main() -> None:
         ),
         "host_rss_rise_vs_model": round(fx["host_rss_rise_bytes"] / model_bytes, 3),
         "same_tokens": fx["tokens"] == results["eager"]["tokens"],
+        "teacher_forced_vs_eager": teacher_forced,
     }
     header = ("mode", "tok/s", "step ms", "peak GPU MiB", "host RSS MiB")
     lines = [

@@ -341,3 +341,17 @@ def test_targets_on_another_rate_key_pair_its_rounds(capsys):
     assert line["value"] == pytest.approx(16.5)  # ratios 15, 20, 16.5; the medians' ratio is 15
     assert line["pass"] is True and "ratio of medians 15.000" in line["note"]
     assert targets.rate({"status": "timeout", "tok_s_lower_bound": 1.5}, "tok_s") == 1.5
+
+
+def test_gpu_bench_finds_where_offloaded_logits_part_from_eager():
+    import torch
+    from bench_gpu_offload import compare_logits
+
+    expected = torch.randn(10, 50, generator=torch.Generator().manual_seed(0))
+    assert compare_logits(expected, expected.clone(), prompt_len=4)["first_token_that_differs"] is None
+    got = expected.clone()
+    got[6, expected[6].argmax()] -= 100  # the greedy token at position 6: the 4th generated (prompt 4)
+    found = compare_logits(expected, got, prompt_len=4)
+    top2 = expected[6].topk(2).values
+    assert found["first_token_that_differs"] == 3 and not found["bit_exact"]
+    assert found["eager_top2_margin_there"] == pytest.approx(float(top2[0] - top2[1]))
