@@ -74,6 +74,18 @@ def align_checkpoint(source: str | os.PathLike[str], destination: str | os.PathL
     return dst
 
 
+def align_shards_in_place(folder: Path) -> None:
+    """Rewrite the safetensors shards of a folder this library wrote itself (demo and benchmark
+    checkpoints) with their data aligned, each through a temporary file renamed over it."""
+    for shard in sorted(folder.glob("*.safetensors")):
+        partial = shard.with_name(f".{shard.name}.partial")
+        try:
+            _write_aligned(shard, partial)
+            os.replace(partial, shard)
+        finally:
+            partial.unlink(missing_ok=True)
+
+
 def _write_aligned(shard: Path, out: Path) -> None:
     read_header(shard)  # a clear CheckpointError for a file that is not a valid safetensors file
     with open(shard, "rb") as f:

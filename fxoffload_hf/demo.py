@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from fxoffload_hf.align import align_shards_in_place
+
 ARCHES = ("llama", "qwen2", "mistral")
 
 
@@ -81,6 +83,8 @@ def save_random_checkpoint(
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial, max_shard_size=shard_size)
+    # used in place by CPU runs whatever the header's length (``align``); a user's own checkpoint may not be
+    align_shards_in_place(partial)
     for name, text in (extra_files or {}).items():
         (partial / name).write_text(text)
     if replace:

@@ -78,3 +78,19 @@ def test_align_command(misaligned, tmp_path, capsys):
     assert "aligned copy" in capsys.readouterr().out
     assert main(["align", str(folder), str(tmp_path / "aligned")]) == EXIT_BAD_INPUT
     assert "exists" in capsys.readouterr().err
+
+
+def test_checkpoints_this_library_builds_are_aligned(tmp_path):
+    import transformers as tf
+
+    from fxoffload_hf.demo import save_random_checkpoint
+
+    config = tf.LlamaConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    )
+    save_random_checkpoint(config, tmp_path / "built", shard_size="100KB")
+    shards = sorted((tmp_path / "built").glob("*.safetensors"))
+    assert len(shards) > 1 and not list((tmp_path / "built").glob(".*"))  # no partial file left
+    for shard in shards:
+        offsets = [s.offset for s in read_header(shard).values()]
+        assert min(offsets) % align.DATA_ALIGN == 0 and all(o % 16 == 0 for o in offsets)
