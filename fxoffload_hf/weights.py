@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from fxoffload_hf.mapped_io import MappedFiles, can_map
 from fxoffload_hf.memory_model import format_bytes, nbytes
@@ -264,14 +265,20 @@ class WeightStore:
         model's order; the bytes read. For a GPU: a weight in RAM is copied to the device from pinned
         memory, at the link's speed, instead of read from its file (and staged) for every use. The file
         range stays known, so dropping the copy needs no write."""
-        used = 0
+        todo, used = [], 0
         for record in self.weights():
             if record.disk is None or record.host is not None or record.resident is not None:
                 continue
-            if used + record.nbytes > room:
-                continue
-            record.host = self.read_source(record.disk, record.dtype)
-            used += record.nbytes
+            if used + record.nbytes <= room:
+                todo.append(record)
+                used += record.nbytes
+        with tqdm(
+            total=used, desc="Reading weights into RAM", unit="B", unit_scale=True, disable=not used
+        ) as bar:
+            for record in todo:
+                assert record.disk is not None
+                record.host = self.read_source(record.disk, record.dtype)
+                bar.update(record.nbytes)
         if used:
             self.version += 1
         return used
