@@ -141,9 +141,10 @@ def load_model(mode: str, model_dir: Path, budget: int, offload_dir: Path) -> An
 
 
 def place_data_at(folder: Path, remainder: int) -> None:
-    """Rewrite each shard of ``folder`` with its metadata padded so that its tensors start at an offset
-    congruent to ``remainder`` modulo 16 bytes (the safetensors format aligns them to 8 only; fxoffload
-    computes with mapped pages only at 0)."""
+    """Rewrite each shard of ``folder`` with its metadata padded so that its data section starts at an
+    offset congruent to ``remainder`` modulo 16 bytes, and so does every tensor whose predecessors' sizes
+    are multiples of 16 (all of a usual checkpoint's). The safetensors format aligns data to 8 bytes only;
+    fxoffload computes with mapped pages only at 0."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -155,7 +156,7 @@ def place_data_at(folder: Path, remainder: int) -> None:
             metadata = f.metadata() or {}
         for pad in range(16):
             save_file(tensors, shard, metadata={**metadata, "pad": "x" * pad})
-            if all(s.offset % 16 == remainder for s in read_header(shard).values()):
+            if min(s.offset for s in read_header(shard).values()) % 16 == remainder:
                 break
         else:
-            raise ValueError(f"no padding puts the tensors of {shard} at {remainder} modulo 16")
+            raise ValueError(f"no padding puts the data of {shard} at {remainder} modulo 16")
