@@ -40,6 +40,11 @@ from fxoffload_hf.weights import WeightStore
 # flicker)
 _INLINE_SHARE = {False: 0.05, True: 0.2}
 
+# A call whose activations outgrow the plan's has the plan remade for this many times them, where the budget
+# allows: generate's KV cache grows with every token, and a plan remade at each one (the loaders closed
+# and opened again with it) would cost every decode step; so it is remade a few times per generation.
+_ACTIVATION_HEADROOM = 1.25
+
 # Capture's cost per module lent weights in one eager call: dynamo traces each such module with its
 # neighbours once per graph, and generate captures two. Measured here on a 10-layer Llama (72 such
 # modules): about 7.5 s for both graphs, 0.1 s a module. ``capture="deferred"`` captures once eager
@@ -194,18 +199,23 @@ class Engine:
 
     def activations_grew(self, index: int, need: int) -> None:
         """A call of graph ``index`` holds ``need`` bytes of activations, more than the plan allowed for (a
-        larger batch or longer inputs through the same graph): refuse it when its largest piece and they
-        cannot fit the budget, else keep fewer weights and plan again, before anything of it runs."""
+        larger batch, longer inputs, a longer KV cache through the same graph): refuse it when its largest
+        piece and they cannot fit the budget, else keep fewer weights and plan again, for a quarter more
+        than ``need`` where that fits (``_ACTIVATION_HEADROOM``), before anything of it runs."""
         largest = max((p.weight_bytes for part in self.partitions for p in part.pieces), default=0)
         smallest = self.memory.smallest_budget(largest, need)
-        if self.memory.budget is not None and smallest > self.memory.budget:
+        budget = self.memory.budget
+        if budget is not None and smallest > budget:
             raise self.memory.too_small(
                 smallest, need, f"this call's activations take {format_bytes(need)}, more than earlier calls'"
             )
+        ahead = int(need * _ACTIVATION_HEADROOM)
+        if budget is None or self.memory.smallest_budget(largest, ahead) <= budget:
+            need = ahead
         self.activation_bytes[index] = need
         self._make_room_for_activations(need)
         profile = self._inputs[index].profile
-        if self.memory.budget is not None:
+        if budget is not None:
             wanted = choose_resident(list(profile), self.memory, need) if profile else set()
             self.store.set_residents(wanted)
         self.replan()

@@ -8,6 +8,7 @@ import torch
 from fxoffload_hf.activations import activation_model
 from fxoffload_hf.capture import capture_settings
 from fxoffload_hf.graphs import activation_peak
+from fxoffload_hf.weights import Tier
 
 
 def _capture(model, args, dynamic):
@@ -114,3 +115,31 @@ def test_the_kv_cache_a_call_passes_is_counted_at_its_length(llama_ckpt):
     # builds that of 45 beside it (the caller drops the old one after the call)
     per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
     assert graphs == 2 and decode >= per_position * (44 + 45)
+
+
+def test_a_growing_kv_cache_remakes_the_plan_a_few_times_per_generation_not_each_token(
+    llama_ckpt, monkeypatch
+):
+    import fxoffload_hf
+
+    folder, eager = llama_ckpt
+    model = fxoffload_hf.from_pretrained(folder, cpu_memory=1_400_000, device="cpu")
+    engine = fxoffload_hf.engine_of(model)
+    replans = []
+    replan = engine.replan
+    monkeypatch.setattr(engine, "replan", lambda: (replans.append(1), replan())[1])
+    ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(6))
+    greedy = dict(max_new_tokens=48, min_new_tokens=48, do_sample=False)
+    try:
+        with torch.no_grad():
+            got = model.generate(ids, **greedy)
+        planned = max(engine.activation_bytes)
+        kept = engine.store.bytes_in(Tier.MAPPED)
+    finally:
+        fxoffload_hf.restore(model)
+    with torch.no_grad():
+        assert torch.equal(got, eager.generate(ids, **greedy))
+    # each remade plan holds a quarter more than the call that outgrew the last: the cache grows about
+    # sevenfold from the first decode step to the last, so a handful of plans, not one per token
+    assert 0 < len(replans) <= 12, len(replans)
+    assert engine.memory.fits(activations=planned, resident=kept)
