@@ -98,6 +98,12 @@ def main() -> None:
     parser.add_argument("--size-gb", type=float, default=2.0)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--share", type=float, default=0.25, help="GPU budget as a share of the model")
+    parser.add_argument(
+        "--attn",
+        default=None,
+        help="attn_implementation for every mode (e.g. 'eager': no SDPA kernel choice, to tell whether a "
+        "token difference comes from SDPA taking another kernel under capture)",
+    )
     parser.add_argument("--out", default="bench_results/bench_gpu_offload.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -108,7 +114,8 @@ def main() -> None:
     ids = torch.randint(0, 32000, (1, 64), generator=torch.Generator().manual_seed(0)).cuda()
     results: dict[str, Any] = {}
 
-    eager = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda()
+    attn = {"attn_implementation": args.attn} if args.attn else {}
+    eager = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, **attn).cuda()
     results["eager"] = decode(eager, ids, args.new_tokens)
     sequence = torch.tensor([results["eager"]["tokens"]], device="cuda")
     eager_logits = forward_logits(eager, sequence)
@@ -117,7 +124,9 @@ def main() -> None:
     torch.cuda.empty_cache()
 
     base_rss = psutil.Process().memory_info().rss
-    offloaded = fxoffload_hf.from_pretrained(folder, gpu_memory=budget, cpu_memory=None, device="cuda")
+    offloaded = fxoffload_hf.from_pretrained(
+        folder, gpu_memory=budget, cpu_memory=None, device="cuda", **attn
+    )
     results["fxoffload"] = decode(offloaded, ids, args.new_tokens)
     teacher_forced = compare_logits(eager_logits, forward_logits(offloaded, sequence), ids.shape[1])
     figures = engine.engine_report(offloaded)
@@ -141,6 +150,7 @@ def main() -> None:
         device_map="auto",
         max_memory={0: budget, "cpu": "200GiB"},
         use_kernels=False,
+        **attn,
     )
     results["accelerate"] = decode(accelerate_model, ids, args.new_tokens)
     del accelerate_model
