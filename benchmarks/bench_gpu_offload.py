@@ -95,8 +95,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--size-gb", type=float, default=2.0)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--size-gb", type=float, default=2.0, help="model size in GB (bf16), default 2")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated in the timed run")
     parser.add_argument("--share", type=float, default=0.25, help="GPU budget as a share of the model")
     parser.add_argument(
         "--attn",
@@ -104,7 +104,7 @@ def main() -> None:
         help="attn_implementation for every mode (e.g. 'eager': no SDPA kernel choice, to tell whether a "
         "token difference comes from SDPA taking another kernel under capture)",
     )
-    parser.add_argument("--out", default="bench_results/bench_gpu_offload.json")
+    parser.add_argument("--out", default="bench_results/bench_gpu_offload.json", help="JSON results file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu_offload needs a CUDA device")
