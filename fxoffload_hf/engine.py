@@ -41,8 +41,9 @@ from fxoffload_hf.weights import WeightStore
 _INLINE_SHARE = {False: 0.05, True: 0.2}
 
 # A call whose activations outgrow the plan's has the plan remade for this many times them, where the budget
-# allows: generate's KV cache grows with every token, and a plan remade at each one (the loaders closed
-# and opened again with it) would cost every decode step; so it is remade a few times per generation.
+# allows: generate's KV cache grows with every token, and a plan remade at each one (residents chosen
+# again, every graph's loads rebuilt, the arena resized) would cost every decode step; so it is remade a
+# few times per generation.
 _ACTIVATION_HEADROOM = 1.25
 
 # Capture's cost per module lent weights in one eager call: dynamo traces each such module with its
