@@ -20,6 +20,7 @@ import torch
 from harness import model, report
 
 import fxoffload_hf
+from fxoffload_hf.align import align_shards_in_place
 
 
 def decode(folder: Path, budget: int, ids: torch.Tensor, new_tokens: int) -> dict[str, Any]:
@@ -62,7 +63,7 @@ def main() -> None:
         built = model.build(folders["aligned"], model.llama_config(args.size_gb, vocab=args.vocab))
         shutil.copytree(folders["aligned"], folders["8 bytes off"])
         for remainder, folder in zip((0, 8), folders.values(), strict=True):
-            model.place_data_at(folder, remainder)
+            align_shards_in_place(folder, data_start=remainder)
         budget = int(built["bytes"] * args.budget_share)
         ids = torch.randint(0, args.vocab, (1, 32), generator=torch.Generator().manual_seed(0))
         runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in folders}

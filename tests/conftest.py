@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,9 +18,7 @@ import torch
 from torch import nn
 
 import fxoffload_hf
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from harness.model import place_data_at  # noqa: E402 (the benchmarks' harness, beside the tests)
+from fxoffload_hf.align import align_shards_in_place
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -137,7 +134,7 @@ def save_checkpoint(arch: str, folder: Path) -> nn.Module:
     model.eval().save_pretrained(folder, max_shard_size="300KB")
     # tensors where ops compute with mapped pages, whatever the header's length in this environment;
     # the other alignment has a test of its own
-    place_data_at(folder, 0)
+    align_shards_in_place(folder)
     return model
 
 
@@ -280,6 +277,6 @@ def tiny():
 
 @pytest.fixture(name="place_data_at", scope="session")
 def place_data_at_fixture() -> Callable[[Path, int], None]:
-    """``place_data_at(folder, remainder)``: rewrite the folder's shards so that every tensor starts at
-    ``remainder`` modulo 16 bytes (ops compute with mapped pages only at 0)."""
-    return place_data_at
+    """``place_data_at(folder, remainder)``: rewrite the folder's shards so that their data sections start
+    at ``remainder`` modulo 16 bytes (ops compute with mapped pages only at 0)."""
+    return lambda folder, remainder: align_shards_in_place(folder, data_start=remainder)

@@ -138,25 +138,3 @@ def load_model(mode: str, model_dir: Path, budget: int, offload_dir: Path) -> An
             model_dir, device_map="auto", max_memory={"cpu": budget}, offload_folder=str(offload_dir)
         )
     raise ValueError(f"unknown mode {mode!r}")
-
-
-def place_data_at(folder: Path, remainder: int) -> None:
-    """Rewrite each shard of ``folder`` with its metadata padded so that its data section starts at an
-    offset congruent to ``remainder`` modulo 16 bytes, and so does every tensor whose predecessors' sizes
-    are multiples of 16 (all of a usual checkpoint's). The safetensors format aligns data to 8 bytes only;
-    fxoffload computes with mapped pages only at 0."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from fxoffload_hf.safetensors_io import read_header
-
-    for shard in safetensors_files(folder):
-        with safe_open(shard, "pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no Mapping)
-            metadata = f.metadata() or {}
-        for pad in range(16):
-            save_file(tensors, shard, metadata={**metadata, "pad": "x" * pad})
-            if min(s.offset for s in read_header(shard).values()) % 16 == remainder:
-                break
-        else:
-            raise ValueError(f"no padding puts the data of {shard} at {remainder} modulo 16")
