@@ -167,7 +167,7 @@ class Engine:
         self._inline_now.append(False)
         self.activation_bytes.append(facts.activation_bytes)
         plan = self._plan()
-        runner = GraphRunner(program, self.loader, plan.graphs[-1].threaded, index=len(self.runners))
+        runner = GraphRunner(program, self.loader, plan.graphs[-1].ahead, index=len(self.runners))
         runner.observers = self.observers
         self.runners.append(runner)
         self.stats.graphs = len(self.runners)
@@ -325,10 +325,12 @@ class _GraphEntry:
         profiler = Profiler(engine.weight_sizes, sync)
         engine.current()
         runner.observers = (*engine.observers, profiler)
+        engine.loader.time_copies = True
         try:
             result = runner(*args)
         finally:
             runner.observers = engine.observers
+            engine.loader.time_copies = False
         engine.called(runner)
         engine.profiled(runner, profiler.profile)
         self._call = self._steady_call

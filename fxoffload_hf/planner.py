@@ -83,15 +83,16 @@ class GraphSchedule:
 
 @dataclass(frozen=True)
 class GraphPlan:
-    """The schedules of one graph: loads on the read-ahead thread, and (CPU only) loads on the calling
-    thread, for when the last call's loads cost little beside its compute."""
+    """The schedules of one graph: loads started ahead of the compute (on the read-ahead thread; on CUDA,
+    where no file is read, queued from the calling thread), and (CPU only) loads on the calling thread,
+    for when the last call's loads cost little beside its compute."""
 
-    threaded: GraphSchedule
+    ahead: GraphSchedule
     inline: GraphSchedule | None
 
     def schedule(self, inline: bool) -> GraphSchedule:
         """The inline schedule when asked for and there is one, else the threaded one."""
-        return self.inline if inline and self.inline is not None else self.threaded
+        return self.inline if inline and self.inline is not None else self.ahead
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,9 @@ def plan_model(
     )
     inline_reader = inline if device_type == "cpu" else None
     plans = []
-    for graph, pieces, sizes, distance, cut in zip(graphs, per_graph, streamed, distances, cuts, strict=True):
+    for graph, pieces, sizes, distance, cut, staged_sizes in zip(
+        graphs, per_graph, streamed, distances, cuts, staged, strict=True
+    ):
         singles = tuple(range(1, len(pieces) + 1))
         build = _loads_builder(pieces, device_type, graph.lookups)
         inline_schedule = None
@@ -163,8 +166,11 @@ def plan_model(
             # staged pieces share the arena two at a time: those load one by one
             groups = singles if arena else tuple(load_groups(sizes, in_flight))
             inline_schedule = GraphSchedule(build(groups), groups, 0, inline_reader, cut)
+        # on CUDA, loads that read no file only queue copies: no thread needed (``loaders``)
+        queued = device_type != "cpu" and inline is not None and not any(staged_sizes)
+        reader = inline if queued and inline is not None else threaded
         plans.append(
-            GraphPlan(GraphSchedule(build(singles), singles, distance, threaded, cut), inline_schedule)
+            GraphPlan(GraphSchedule(build(singles), singles, distance, reader, cut), inline_schedule)
         )
     return ModelPlan(version, arena, in_flight, tuple(plans))
 

@@ -8,7 +8,8 @@ logs every operation with its thread and records a violation when
 - ``overwrite``: staging bytes that a copy not yet known done by the host reads are handed to a new copy
   (so the read-ahead thread wrote them again), or a copy's source changed before the copy ran;
 - ``unordered``: ``ready`` hands the compute tensors whose copy the compute stream was not ordered after;
-- ``host-block``: the calling (compute) thread waits for copies in the steady state.
+- ``host-block``: the calling (compute) thread waits for copies in the steady state (it may wait for the
+  compute of loads it released: that bounds the device memory in flight, counted in ``most_in_flight``).
 
 A tiny Llama is captured once with ``torch.compile``; its weights are ghosts standing for records streamed
 the CUDA ways (``COPIED`` from host tensors, ``STAGED`` from a safetensors file), and the real planner,
@@ -29,9 +30,9 @@ from safetensors.torch import save_file
 
 from fxoffload_hf.capture import HANDLE_ATTR, GhostHandle, make_ghost
 from fxoffload_hf.graphs import graph_facts
-from fxoffload_hf.loaders import CudaLoader, InlineReader, Loaded, ThreadedReader, Way, way_of
+from fxoffload_hf.loaders import CudaLoader, InlineReader, Loaded, Loader, ThreadedReader, Way, way_of
 from fxoffload_hf.memory_model import MemoryModel
-from fxoffload_hf.planner import GraphInput, partition_for_budget, plan_model
+from fxoffload_hf.planner import GraphInput, GraphSchedule, partition_for_budget, plan_model
 from fxoffload_hf.program import Program, build_program
 from fxoffload_hf.runner import GraphRunner
 from fxoffload_hf.safetensors_io import read_header
@@ -43,7 +44,8 @@ CALLS = 3  # the first call warms up; the later ones are the steady state
 
 @dataclass(frozen=True)
 class FakeEvent:
-    seq: int  # events are numbered in issue order on the one side stream
+    seq: int  # copy events are numbered in issue order on the one side stream
+    computed: bool = False  # an event on the compute stream, after the copies up to ``seq``
 
 
 @dataclass
@@ -68,6 +70,8 @@ class FakeCudaOps:
         self.events = 0
         self._copies: list[_Copy] = []  # not yet known done by the host, in issue order
         self._host_upto = 0  # the side stream is FIFO: the host knows every copy up to this event done
+        self._computed_waits = 0  # compute events the host waited for: loads whose device memory is free
+        self.most_in_flight = 0  # loads copied in and not known computed, at most
         self._compute_upto = 0  # the compute stream is ordered after every copy up to this event
         self._lock = threading.Lock()
 
@@ -92,10 +96,25 @@ class FakeCudaOps:
                 new.append(_Copy(seq, source, source.clone(), dest, span))
                 out[name] = dest
             self._copies.extend(new)
+            self.most_in_flight = max(self.most_in_flight, seq - self._computed_waits)
             return out, FakeEvent(seq)
+
+    def computed(self) -> FakeEvent:
+        with self._lock:
+            self._note("computed", self._compute_upto)
+            return FakeEvent(self._compute_upto, computed=True)
+
+    def wait_computed(self, event: FakeEvent) -> None:
+        with self._lock:
+            assert event.computed
+            self._note("wait_computed", event.seq)
+            self._computed_waits += 1
+            self._host_upto = max(self._host_upto, event.seq)  # that compute read the copies before it
+            self._copies = [c for c in self._copies if c.seq > self._host_upto]
 
     def host_wait(self, event: FakeEvent) -> None:
         with self._lock:
+            assert not event.computed
             self._note("host_wait", event.seq)
             if self.steady and threading.get_ident() == self.compute_thread:
                 self._violate("host-block", f"the calling thread waited for copy #{event.seq}")
@@ -121,7 +140,10 @@ class FakeCudaOps:
 
     def ops(self, seq: int) -> list[tuple[str, bool]]:
         """The operations on event ``seq`` in order, each with whether the calling thread made it."""
-        return [(op, thread == self.compute_thread) for op, s, thread in self.log if s == seq]
+        copies = ("copy_in", "host_wait", "order_after")
+        return [
+            (op, thread == self.compute_thread) for op, s, thread in self.log if s == seq and op in copies
+        ]
 
     def _staged_span(self, tensor: torch.Tensor) -> tuple[int, int] | None:
         if not self.arena.capacity:
@@ -216,15 +238,32 @@ def captured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Captured]:
     torch.compiler.reset()
 
 
+def host_only(cap: Captured) -> dict[str, WeightRecord]:
+    """The captured model's weights, every one in host memory (``COPIED``): no file is read."""
+    return {
+        name: WeightRecord(name, r.shape, r.dtype, host=r.host if r.host is not None else cap.store.read(r))
+        for name, r in cap.store.records.items()
+    }
+
+
+@dataclass
+class Run:
+    ops: FakeCudaOps
+    outputs: list[torch.Tensor]
+    loads: int  # loads of one call
+    schedule: GraphSchedule
+
+
 def run_offloaded(
     cap: Captured,
     loader_cls: type[CudaLoader] = CudaLoader,
     distance: int | None = None,
     inline: bool = False,
-) -> tuple[FakeCudaOps, list[torch.Tensor], int]:
+    records: dict[str, WeightRecord] | None = None,
+) -> Run:
     """``CALLS`` calls of the captured model through ``loader_cls`` and the fake, as ``Engine`` runs a
-    graph (loads ``distance`` ahead if given, on the calling thread if ``inline``); the fake, the outputs,
-    and the loads of one call."""
+    graph (loads ``distance`` ahead if given, on the calling thread if ``inline``, of ``records`` if given
+    instead of the store's)."""
     arena = StagingArena(pin=False)
     ops = FakeCudaOps(arena)
     loader = loader_cls(cap.store, arena, ops)
@@ -236,17 +275,20 @@ def run_offloaded(
         return tensors
 
     loader.ready = checked_ready  # type: ignore[method-assign]
-    reader = InlineReader() if inline else ThreadedReader()
+    threaded = ThreadedReader()
     plan = plan_model(
-        [cap.graph], cap.store.records, version=0, memory=cap.memory, activations=cap.activations,
-        device_type=loader.device_type, policy="sequential", threaded=reader,
+        [cap.graph], records or cap.store.records, version=0, memory=cap.memory, activations=cap.activations,
+        device_type=loader.device_type, policy="sequential", threaded=threaded, inline=InlineReader(),
     )  # fmt: skip
     arena.resize(plan.arena_bytes)
-    schedule = plan.graphs[0].threaded
+    schedule = plan.graphs[0].ahead
     if distance is not None:
         schedule = dataclasses.replace(schedule, distance=distance)
-    staged_sides = [load.side for load in schedule.loads if load is not None and load.staged]
-    assert staged_sides.count(0) >= 2 and 1 in staged_sides, "the arena's two sides must both be reused"
+    if inline:
+        schedule = dataclasses.replace(schedule, reader=InlineReader())
+    if records is None:
+        staged_sides = [load.side for load in schedule.loads if load is not None and load.staged]
+        assert staged_sides.count(0) >= 2 and 1 in staged_sides, "the arena's two sides must both be reused"
     cap.run[0] = GraphRunner(cap.program, loader, schedule, 0)
     outputs = []
     try:
@@ -255,30 +297,67 @@ def run_offloaded(
                 outputs.append(cap.compiled(cap.x).logits)
                 ops.steady = True
     finally:
-        if isinstance(reader, ThreadedReader):
-            reader.close()
+        threaded.close()
         loader.close()
-    return ops, outputs, sum(load is not None for load in schedule.loads)
+    return Run(ops, outputs, sum(load is not None for load in schedule.loads), schedule)
 
 
 @pytest.mark.parametrize("distance", [None, 3])
 def test_cuda_loader_orders_every_copy(captured: Captured, distance: int | None) -> None:
     """The real ``CudaLoader`` and ``GraphRunner``: eager's results bit for bit at the plan's distance (1)
     and further ahead; each copy waited for by the read-ahead thread before its staging bytes are reused,
-    and ordered before the compute that reads it; the calling thread never waits for copies."""
-    ops, outputs, loads = run_offloaded(captured, distance=distance)
-    assert all(torch.equal(out, captured.expected) for out in outputs)
+    and ordered before the compute that reads it (loads with nothing staged are not waited for); the calling thread never waits for copies; no more
+    loads hold device memory than are loaded ahead."""
+    run = run_offloaded(captured, distance=distance)
+    ops = run.ops
+    assert isinstance(run.schedule.reader, ThreadedReader)
+    assert all(torch.equal(out, captured.expected) for out in run.outputs)
     assert ops.violations == []
-    assert ops.events == CALLS * loads
+    assert ops.events == CALLS * run.loads
+    assert ops.most_in_flight <= run.schedule.distance + 1
+    specs = [load for load in run.schedule.loads if load is not None]
     for seq in range(1, ops.events + 1):
-        # copy_in -> host_wait on the read-ahead thread -> order_after on the calling thread
-        assert ops.ops(seq) == [("copy_in", False), ("host_wait", False), ("order_after", True)]
+        # copy_in -> host_wait on the read-ahead thread where staged bytes must outlive the copy ->
+        # order_after on the calling thread
+        waits = [("host_wait", False)] if specs[(seq - 1) % len(specs)].staged else []
+        assert ops.ops(seq) == [("copy_in", False), *waits, ("order_after", True)]
+
+
+@pytest.mark.parametrize("distance", [None, 3])
+def test_loads_from_host_memory_are_queued_by_the_calling_thread(
+    captured: Captured, distance: int | None
+) -> None:
+    """No file read (every weight in host memory): the plan queues the copies from the calling thread, which
+    never waits for one, only for the compute of the loads it released, so that at most ``distance`` + 1
+    loads hold device memory; eager's results bit for bit."""
+    run = run_offloaded(captured, distance=distance, records=host_only(captured))
+    ops = run.ops
+    assert isinstance(run.schedule.reader, InlineReader)
+    assert all(torch.equal(out, captured.expected) for out in run.outputs)
+    assert ops.violations == []
+    assert ops.events == CALLS * run.loads
+    assert ops.most_in_flight <= run.schedule.distance + 1
+    for seq in range(1, ops.events + 1):
+        assert ops.ops(seq) == [("copy_in", True), ("order_after", True)]
+
+
+class ForgetsReleasedLoads(CudaLoader):
+    """Mutation: the host never waits for the compute of released loads, so nothing bounds the device
+    memory that queued copies take."""
+
+    def release(self, loaded: Loaded) -> None:
+        Loader.release(self, loaded)
+
+
+def test_fake_catches_unbounded_device_memory(captured: Captured) -> None:
+    run = run_offloaded(captured, ForgetsReleasedLoads, records=host_only(captured))
+    assert run.ops.most_in_flight == run.ops.events > run.schedule.distance + 1
 
 
 class SkipsHostWait(CudaLoader):
     """Mutation: the next read may overwrite staged bytes before the copy read them."""
 
-    def to_device(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
+    def to_device(self, tensors: dict[str, torch.Tensor], wait: bool) -> tuple[dict[str, torch.Tensor], Any]:
         return self.ops.copy_in(tensors)
 
 
@@ -303,7 +382,7 @@ class WaitsInReady(CudaLoader):
 )
 def test_fake_catches_ordering_bugs(captured: Captured, loader_cls: type[CudaLoader], kind: str) -> None:
     """Each broken loader is caught, as that kind of violation only, at the plan's distance (1)."""
-    ops, _, _ = run_offloaded(captured, loader_cls)
+    ops = run_offloaded(captured, loader_cls).ops
     assert ops.violations, f"{loader_cls.__name__} went unnoticed"
     assert {k for k, _ in ops.violations} == {kind}
 
@@ -312,6 +391,6 @@ def test_overwritten_staging_changes_results(captured: Captured) -> None:
     """Loading three ahead without the host waiting, staged bytes are rewritten before their copies ran:
     the fake sees the changed sources, and the results are no longer eager's. (Loads run on the calling
     thread here, so that the reads are always ahead of the copies.)"""
-    ops, outputs, _ = run_offloaded(captured, SkipsHostWait, distance=3, inline=True)
-    assert any("changed before it ran" in what for _, what in ops.violations)
-    assert not all(torch.equal(out, captured.expected) for out in outputs)
+    run = run_offloaded(captured, SkipsHostWait, distance=3, inline=True)
+    assert any("changed before it ran" in what for _, what in run.ops.violations)
+    assert not all(torch.equal(out, captured.expected) for out in run.outputs)

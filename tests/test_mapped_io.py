@@ -204,7 +204,7 @@ def test_cpu_streaming_uses_no_staging_copy_and_keeps_residents_mapped(tmp_path,
         assert engine.stats.bytes_streamed > 0
         # the embedding table is only indexed: its rows are read by the lookup, never faulted in whole
         for graph in engine.plan.graphs:
-            for spec in filter(None, graph.threaded.loads):
+            for spec in filter(None, graph.ahead.loads):
                 for record, fault_in in zip(spec.mapped, spec.fault_in, strict=True):
                     assert fault_in == (record.name != "model.embed_tokens.weight")
         faulted: list[tuple[int, int]] = []

@@ -257,7 +257,7 @@ def test_loading_several_pieces_ahead_keeps_eager_results(distance, profiled_lla
         piece_of = {frozenset(names): i for i, names in enumerate(piece_names)}
         assert len(piece_of) == len(piece_names), "pieces must be told apart by their weights"
         # loads through the read-ahead thread, as when copies cost
-        schedule = replace(engine.plan.graphs[0].threaded, distance=distance)
+        schedule = replace(engine.plan.graphs[0].ahead, distance=distance)
         output, events, _spy = _run_with_spies(model, x, schedule)
         assert torch.equal(output, expected)
         pieces = len(piece_names)

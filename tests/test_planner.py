@@ -52,9 +52,9 @@ def test_cpu_weights_in_place_are_mapped_and_need_no_arena():
     assert model.version == 7 and model.arena_bytes == 0
     assert model.in_flight_bytes == pair_bytes(sizes)
     (graph,) = model.graphs
-    assert graph.threaded.distance == 1 and graph.threaded.reader is THREADED
-    assert graph.threaded.group_ends == (1, 2, 3, 4, 5)
-    for spec, record in zip(graph.threaded.loads, records, strict=True):
+    assert graph.ahead.distance == 1 and graph.ahead.reader is THREADED
+    assert graph.ahead.group_ends == (1, 2, 3, 4, 5)
+    for spec, record in zip(graph.ahead.loads, records, strict=True):
         assert spec.mapped == (record,) and not (spec.staged or spec.copied or spec.held)
         assert spec.fault_in == (record.name != "w0",)  # a lookup table reads its rows only
     inline = graph.inline
@@ -70,8 +70,8 @@ def test_weights_that_change_dtype_are_staged_two_loads_at_a_time():
     model = plan(records, [[r.name] for r in records])
     assert model.arena_bytes == pair_bytes([piece_bytes([1000])] * 4)
     (graph,) = model.graphs
-    assert all(spec.staged and not spec.mapped for spec in graph.threaded.loads)
-    assert [spec.side for spec in graph.threaded.loads] == [0, 1, 0, 1]
+    assert all(spec.staged and not spec.mapped for spec in graph.ahead.loads)
+    assert [spec.side for spec in graph.ahead.loads] == [0, 1, 0, 1]
     assert graph.inline is not None and graph.inline.group_ends == (1, 2, 3, 4)  # never grouped
 
 
@@ -81,11 +81,20 @@ def test_cuda_copies_host_weights_and_stages_disk_weights_with_no_inline_schedul
     model = plan([*records, resident], [["h0", "r"], ["d0"], ["h1"]], device_type="cuda")
     (graph,) = model.graphs
     assert graph.inline is None
-    first, second, third = graph.threaded.loads
+    first, second, third = graph.ahead.loads
     assert [r.name for r in first.copied] == ["h0"] and [r.name for r in first.held] == ["r"]
     assert [r.name for r in second.staged] == ["d0"] and third.copied
     assert model.arena_bytes == piece_bytes([1200])
     assert first.streamed_bytes == 1200 and second.streamed_bytes == 1200
+    assert graph.ahead.reader is THREADED  # a file is read: loads run on the read-ahead thread
+
+
+def test_cuda_loads_that_read_no_file_are_queued_by_the_calling_thread():
+    records = [host_record(f"h{i}", 300) for i in range(3)]
+    model = plan(records, [[r.name] for r in records], device_type="cuda")
+    (graph,) = model.graphs
+    assert graph.ahead.reader is INLINE and graph.ahead.distance == 1 and graph.inline is None
+    assert model.arena_bytes == 0 and all(spec.copied for spec in graph.ahead.loads)
 
 
 def test_prefetch_distance_comes_from_the_profile_and_sets_what_is_in_flight():
@@ -95,16 +104,16 @@ def test_prefetch_distance_comes_from_the_profile_and_sets_what_is_in_flight():
     model = plan(records, [[r.name] for r in records], profile=profile)
     (graph,) = model.graphs
     sizes = [piece_bytes([1024])] * 4
-    assert graph.threaded.distance >= 2
-    assert model.in_flight_bytes == window_bytes(sizes, graph.threaded.distance + 1)
+    assert graph.ahead.distance >= 2
+    assert model.in_flight_bytes == window_bytes(sizes, graph.ahead.distance + 1)
     sequential = plan(records, [[r.name] for r in records], profile=profile, policy="sequential")
-    assert sequential.graphs[0].threaded.distance == 1
+    assert sequential.graphs[0].ahead.distance == 1
 
 
 def test_plans_are_immutable():
     model = plan([disk_record("w", 10)], [["w"]])
     with pytest.raises(AttributeError):
-        model.graphs[0].threaded.distance = 3  # type: ignore[misc]
+        model.graphs[0].ahead.distance = 3  # type: ignore[misc]
     assert all(way in Way for way in (Way.MAPPED, Way.STAGED))
 
 
