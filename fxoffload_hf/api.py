@@ -350,7 +350,7 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
         if torch.compiler.is_dynamo_compiling():
             # traced as part of another entry point (an encoder inside the full forward): inline it
             return original(*args, **kwargs)
-        with engine.lock, eager_paths.inside():
+        with engine.lock, eager_paths.inside(masks_by_value=engine.device.type == "cuda"):
             lent = eager.mark()
             graphs = len(engine.runners)
             try:

@@ -1,44 +1,63 @@
 """Transformers' eager algorithms inside an offloaded model's calls, where compiling would pick another.
 
-Transformers asks ``is_torchdynamo_compiling()`` to choose code that traces well. Where the two choices
-round differently, the graph dynamo captures is not bit-exact against eager. In each module named in
-``_MODULES`` that function is replaced, while any model is offloaded, by one that answers False while an
-offloaded model's entry point runs (``inside``) and asks Transformers' own otherwise. Dynamo guards on
-that answer, so the graphs of an offloaded model take the eager code, and other compiled code in the
-process keeps its own graphs.
+Transformers asks ``is_torchdynamo_compiling()`` (and ``is_torchdynamo_exporting()``) to choose code that
+traces well. Where the two choices round differently, the graph dynamo captures is not bit-exact against
+eager. Each function named in ``_EAGER_INSIDE`` is replaced, while any model is offloaded, by one that
+answers False while an offloaded model's entry point runs (``inside``) and asks Transformers' own
+otherwise. Dynamo guards on that answer, so the graphs of an offloaded model take the eager code, and
+other compiled code in the process keeps its own graphs.
 
-- ``transformers.integrations.sdpa_attention``: for one query token with a mask and grouped key/value
+- ``sdpa_attention.is_torchdynamo_compiling``: for one query token with a mask and grouped key/value
   heads (batched decoding with padding), eager packs the query heads onto the key/value heads
   (``pack_gqa``) where compiled code repeats the key/value heads (``repeat_kv``): another SDPA shape,
   other rounding. The packed form traces as well here: a length of 1 is specialised by dynamo anyway.
+- ``masking_utils.is_torchdynamo_exporting``: before torch 2.14 dynamo traces ``torch.compiler.
+  is_exporting()`` as True, so compiled code always builds an explicit causal mask where eager passes
+  none and sets SDPA's ``is_causal``. On an H200 that picks the same cuDNN kernel with other rounding
+  (a bf16 Llama with head size 128: logits one ulp off, greedy tokens parted from eager's). An offloaded
+  call never exports.
+
+On CUDA, ``masking_utils`` also decides from a traced mask's values whether SDPA needs a mask at all:
+eager passes none where the padding mask is all ones, compiled code always passes one. There its
+``is_tracing(tensor)`` answers False inside an offloaded call, so the values are read as eager reads
+them: dynamo breaks the graph at that test and resumes after it. On the CPU both ways give the same bits,
+and the graph stays whole.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
-_MODULES = ("transformers.integrations.sdpa_attention",)
-_ASK = "is_torchdynamo_compiling"
+_EAGER_INSIDE = (
+    ("transformers.integrations.sdpa_attention", "is_torchdynamo_compiling"),
+    ("transformers.masking_utils", "is_torchdynamo_exporting"),
+)
+_MASKS_BY_VALUE = ("transformers.masking_utils", "is_tracing")
 
 # True while an offloaded model's entry point runs; read (and guarded on) by the replacements
 _inside = False
+_masks_by_value = False  # while inside: masks are tested by their values, as eager tests them (CUDA)
 _lock = threading.Lock()
 _users = 0
-_originals: dict[str, Callable[[], bool]] = {}  # module name -> Transformers' function
+_originals: dict[tuple[str, str], Callable[..., bool]] = {}  # (module, function name) -> Transformers' own
 
 
 @contextmanager
-def inside() -> Iterator[None]:
-    """An offloaded model's call: the replaced functions answer False (the eager code) within it."""
-    global _inside
-    was, _inside = _inside, True
+def inside(masks_by_value: bool = False) -> Iterator[None]:
+    """An offloaded model's call: the replaced functions answer False (the eager code) within it;
+    ``masks_by_value``: also for masks (``masking_utils``)."""
+    global _inside, _masks_by_value
+    was = _inside, _masks_by_value
+    _inside, _masks_by_value = True, masks_by_value
     try:
         yield
     finally:
-        _inside = was
+        _inside, _masks_by_value = was
 
 
 class EagerPaths:
@@ -59,27 +78,43 @@ class EagerPaths:
                 _put_back()
 
 
+def _replacements() -> Iterator[tuple[str, str, Callable[[Callable[..., bool]], Callable[..., bool]]]]:
+    for name, attr in _EAGER_INSIDE:
+        yield name, attr, _eager_inside
+    yield *_MASKS_BY_VALUE, _masks_read_inside
+
+
 def _replace() -> None:
-    for name in _MODULES:
-        if name in _originals:
+    for name, attr, replacement in _replacements():
+        if (name, attr) in _originals:
             continue
         module = sys.modules.get(name)  # not imported: no model of it in this process, nothing to do
-        original = getattr(module, _ASK, None)
+        original = getattr(module, attr, None)
         if module is not None and callable(original):
-            _originals[name] = original
-            setattr(module, _ASK, _eager_inside(original))
+            _originals[name, attr] = original
+            setattr(module, attr, replacement(original))
 
 
 def _put_back() -> None:
-    for name, original in _originals.items():
+    for (name, attr), original in _originals.items():
         module = sys.modules.get(name)
         if module is not None:
-            setattr(module, _ASK, original)
+            setattr(module, attr, original)
     _originals.clear()
 
 
-def _eager_inside(original: Callable[[], bool]) -> Callable[[], bool]:
-    def is_torchdynamo_compiling() -> bool:
+def _eager_inside(original: Callable[..., bool]) -> Callable[..., bool]:
+    @functools.wraps(original)
+    def answer_for_eager() -> bool:
         return not _inside and original()
 
-    return is_torchdynamo_compiling
+    return answer_for_eager
+
+
+def _masks_read_inside(original: Callable[..., bool]) -> Callable[..., bool]:
+    def is_tracing(tensor: Any = None) -> bool:
+        if tensor is not None and _inside and _masks_by_value:
+            return False
+        return original(tensor)
+
+    return is_tracing
