@@ -30,6 +30,7 @@ from fxoffload_hf.capture import (
 from fxoffload_hf.config import BudgetSpec, OffloadConfig
 from fxoffload_hf.eager_fallback import EagerWeights
 from fxoffload_hf.engine import Engine
+from fxoffload_hf.generate_memory import counting_kv
 from fxoffload_hf.memory import free_host_memory, memory_limit, tensor_nbytes
 from fxoffload_hf.memory_model import MemoryModel
 from fxoffload_hf.progress import stage
@@ -146,6 +147,11 @@ def offload(
         # through on one architecture (NeoMME), and exactness comes first; ``plan`` uses them
         for entry in entry_points:
             _wrap_entry(model, entry, engine, eager, undo)
+        generate = getattr(model, "generate", None)
+        if callable(generate):  # its KV cache counted before the first token
+            had_own = "generate" in model.__dict__
+            undo.append(PatchedAttribute(model, "generate", had_own, model.__dict__.get("generate")))
+            setattr(model, "generate", counting_kv(model, generate, engine.expect_activations))  # noqa: B010
     except BaseException:
         _undo(undo)
         if engine is not None:

@@ -112,6 +112,9 @@ class Engine:
         self.runners: list[GraphRunner] = []
         self.partitions: list[Partition] = []  # of each graph (sizes only: their nodes are dropped)
         self.activation_bytes: list[int] = []  # of each graph
+        self.expected_activations = (
+            0  # what a running ``generate``'s KV cache will reach (``expect_activations``)
+        )
         self.weight_sizes: dict[str, int] = {}
         self.observers: tuple[Observer, ...] = ()  # watching every runner (timelines)
         self._inputs: list[GraphInput] = []
@@ -147,7 +150,7 @@ class Engine:
             retarget_devices(gm.graph, traced_on, self.device)
             gm.recompile()
         facts = graph_facts(gm, example_inputs)
-        self._make_room_for_activations(facts.activation_bytes)
+        self._make_room_for_activations(max(facts.activation_bytes, self.expected_activations))
         gm, tile_ghosts = tiles.tile_oversized(gm, facts, self.store, self.memory)
         if tile_ghosts:
             example_inputs = [*example_inputs, *tile_ghosts]
@@ -157,7 +160,12 @@ class Engine:
             facts.weight_bytes, facts.names, facts.lookups, self.store.records, self.loader.device_type
         )
         partition = partition_for_budget(
-            gm.graph, sizes, facts.activation_bytes, self.memory, self.config.policy, facts.names
+            gm.graph,
+            sizes,
+            max(facts.activation_bytes, self.expected_activations),
+            self.memory,
+            self.config.policy,
+            facts.names,
         )
         program = build_program(gm, partition, facts, self.config.compile)
         partition.forget_nodes()
@@ -221,6 +229,33 @@ class Engine:
             self.store.set_residents(wanted)
         self.replan()
 
+    def expect_activations(self, need: int) -> None:
+        """A ``generate`` about to start will hold ``need`` bytes in its KV cache at its last step: refuse
+        it now, before any weight is read, when they cannot fit beside the largest piece (before capture,
+        the largest unit a weight streams in); else plan for them from the start."""
+        budget = self.memory.budget
+        if budget is None or need <= self._activations():
+            return
+        largest = max((p.weight_bytes for part in self.partitions for p in part.pieces), default=0)
+        if not largest:
+            unit = tiles.smallest_unit if self.device.type == "cpu" else (lambda r: r.footprint)
+            largest = max(map(unit, self.store.weights()), default=0)
+        smallest = self.memory.smallest_budget(largest, need)
+        if smallest > budget:
+            raise self.memory.too_small(
+                smallest,
+                need,
+                f"generate's KV cache reaches {format_bytes(need)} at its last token: ask for fewer new "
+                "tokens or a smaller batch, or pass a larger budget",
+            )
+        self.expected_activations = need
+        if self.plan is not None:
+            self.replan()
+
+    def _activations(self) -> int:
+        """What the plan leaves room for: the largest graph's activations, or a generate's final KV cache."""
+        return max(max(self.activation_bytes, default=0), self.expected_activations)
+
     # -- planning -------------------------------------------------------------------------------
     def replan(self) -> None:
         """Plan every graph for the weights where the store has them now, and swap the plan in."""
@@ -232,7 +267,7 @@ class Engine:
             self.store.records,
             version=self.store.version,
             memory=self.memory,
-            activations=max(self.activation_bytes, default=0),
+            activations=self._activations(),
             device_type=self.loader.device_type,
             policy=self.config.policy,
             threaded=self._threaded,
@@ -250,7 +285,7 @@ class Engine:
         index = runner.index
         self._inputs[index] = replace(self._inputs[index], profile=tuple(profile))
         if self.memory.budget is not None and self.config.policy == "auto":
-            wanted = choose_resident(profile, self.memory, max(self.activation_bytes))
+            wanted = choose_resident(profile, self.memory, self._activations())
             self.store.set_residents(wanted)
         self.replan()
         report("graph %d profiled: weights now %s", index + 1, self.store.summary())

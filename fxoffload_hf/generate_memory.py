@@ -1,0 +1,80 @@
+"""``generate``'s KV cache at its final length, counted before the first token: a call whose cache cannot
+fit the budget is refused before any weight is read, not at the decode step that outgrows it.
+
+The cache is predicted from the config (``plan.kv_cache_bytes``: every layer's keys and values at full
+attention) for the batch and the final length the call asks for. Only where that is what the cache
+holds: a model whose ``forward`` takes a cache and whose layers all attend fully (no sliding
+windows, no state-space layers, no compressed latent caches). Elsewhere nothing is predicted, and the
+engine measures each call as before (``activations``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxoffload_hf.plan import kv_cache_bytes
+
+_CACHE_ARGUMENTS = {"cache", "past_key_values"}  # Transformers 5.25's name, and earlier versions'
+# config attributes of caches that hold less (or other) than keys and values of every position
+_NOT_FULL_ATTENTION = (
+    "sliding_window",
+    "attention_chunk_size",
+    "kv_lora_rank",
+    "state_size",
+    "ssm_state_size",
+)
+
+
+def full_attention_cache(model: nn.Module) -> bool:
+    """Whether ``model``'s generate cache holds the keys and values of every position at every layer."""
+    forward = getattr(model, "forward", None)
+    if forward is None or not _CACHE_ARGUMENTS & set(inspect.signature(forward).parameters):
+        return False
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if any(getattr(text, attr, None) not in (None, 0) for attr in _NOT_FULL_ATTENTION):
+        return False
+    layer_types = getattr(text, "layer_types", None)
+    return layer_types is None or all(kind == "full_attention" for kind in layer_types)
+
+
+def final_kv_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Bytes of the KV cache at the end of ``model.generate(*args, **kwargs)``; 0 where not predicted."""
+    if not full_attention_cache(model):
+        return 0
+    ids = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs"))
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return 0  # embeddings, or another modality's inputs: the length is not the prompt's
+    settings = copy.deepcopy(kwargs.get("generation_config") or getattr(model, "generation_config", None))
+    if settings is None:
+        return 0
+    settings.update(**{k: v for k, v in kwargs.items() if hasattr(settings, k)})
+    length = ids.shape[1]
+    new = settings.max_new_tokens if settings.max_new_tokens is not None else settings.max_length - length
+    sequences = ids.shape[0] * max(settings.num_beams or 1, settings.num_return_sequences or 1)
+    itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+    return kv_cache_bytes(model.config, sequences, length + max(new, 0), itemsize)
+
+
+def counting_kv(
+    model: nn.Module, generate: Callable[..., Any], expect: Callable[[int], None]
+) -> Callable[..., Any]:
+    """``generate`` that first tells ``expect`` the bytes its KV cache will reach (when predicted)."""
+
+    @functools.wraps(generate)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        need = final_kv_bytes(model, args, kwargs)
+        if need:
+            expect(need)
+        return generate(*args, **kwargs)
+
+    return run
