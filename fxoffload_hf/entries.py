@@ -1,0 +1,94 @@
+"""Entry points of an offloaded model: the methods routed through the engine (compiled with it as the
+backend, or run eagerly before capture under ``capture="deferred"``), and ``generate`` with its KV cache
+counted before the first token (``generate_memory``)."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxoffload_hf import eager_paths
+from fxoffload_hf.capture import compile_entry
+from fxoffload_hf.eager_fallback import EagerWeights
+from fxoffload_hf.engine import Engine
+from fxoffload_hf.generate_memory import counting_kv
+from fxoffload_hf.undo import PatchedAttribute, Undo
+
+
+def wrap(
+    model: nn.Module, names: tuple[str, ...], engine: Engine, eager: EagerWeights, undo: list[Undo]
+) -> None:
+    """Route each of ``model``'s methods ``names`` (dotted: ``model.encoder.forward``) through ``engine``,
+    and count ``generate``'s KV cache before its first token; each change recorded in ``undo``."""
+    for name in names:
+        _wrap_entry(model, name, engine, eager, undo)
+    generate = getattr(model, "generate", None)
+    if callable(generate):
+        had_own = "generate" in model.__dict__
+        undo.append(PatchedAttribute(model, "generate", had_own, model.__dict__.get("generate")))
+        setattr(model, "generate", counting_kv(model, generate, engine.expect_activations))  # noqa: B010
+
+
+def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeights, undo: list[Undo]) -> None:
+    """Route ``model.<entry>`` through the engine (compiled with it as the backend)."""
+    target = model
+    for part in entry.split(".")[:-1]:
+        target = getattr(target, part)
+    attr = entry.split(".")[-1]
+    original = getattr(target, attr)
+    # made at the first call that captures (``torch.compile`` itself takes a fifth of a second, which a
+    # deferred model's short job need not pay)
+    compiled = functools.cache(lambda: compile_entry(original, engine))
+
+    @functools.wraps(original)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():
+            # traced as part of another entry point (an encoder inside the full forward): inline it
+            return original(*args, **kwargs)
+        with engine.lock, eager_paths.inside(masks_by_value=engine.device.type == "cuda"):
+            lent = eager.mark()
+            graphs = len(engine.runners)
+            try:
+                if engine.deferring or engine.eager_depth:
+                    return _run_eagerly(engine, eager, original, args, kwargs)
+                engine.call_started = time.perf_counter()
+                return compiled()(*args, **kwargs)
+            except BaseException as exc:
+                eager.unwind(lent)  # an interrupt skips the modules' post-hooks
+                inner = getattr(exc, "inner_exception", None)
+                if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed) and isinstance(inner, ValueError):
+                    raise inner from None  # a budget refused while a graph is captured, as itself
+                raise
+            finally:
+                if len(engine.runners) != graphs:
+                    # capture leaves the call's tensors (a KV cache of hundreds of MiB) in reference
+                    # cycles of dynamo's state: free them now, not at Python's next collection
+                    gc.collect()
+
+    undo.append(PatchedAttribute(target, attr, attr in target.__dict__, target.__dict__.get(attr)))
+    setattr(target, attr, run)
+
+
+def _run_eagerly(
+    engine: Engine, eager: EagerWeights, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """One call of an entry point as eager code, before capture (``capture="deferred"``): the eager
+    fallback hooks lend each module its weights, without their warning (this is on purpose). An entry
+    point called inside it (an encoder inside the full forward) is part of the same call."""
+    if engine.eager_depth:
+        return original(*args, **kwargs)
+    lent_before, warned = eager.lends, eager.warn
+    start = time.perf_counter()
+    eager.warn = False
+    engine.eager_depth += 1
+    try:
+        return original(*args, **kwargs)
+    finally:
+        engine.eager_depth -= 1
+        eager.warn = warned
+        engine.ran_eagerly(time.perf_counter() - start, eager.lends - lent_before)
