@@ -139,6 +139,8 @@ class MappedFiles:
                 mapping = self._open(path, stat.st_ino)
                 self._maps[path] = mapping
                 self._fds[mapping.view.data_ptr()] = mapping.fd
+                with _live_lock:
+                    _live[mapping.view.data_ptr()] = (mapping.view.numel(), mapping.fd)
             return mapping
 
     @staticmethod
@@ -249,12 +251,32 @@ class MappedFiles:
     def _forget(self, path: Path) -> None:
         mapping = self._maps.pop(path)
         self._fds.pop(mapping.view.data_ptr(), None)
+        with _live_lock:
+            _live.pop(mapping.view.data_ptr(), None)
         os.close(mapping.fd)  # the pages stay mapped until the last view of them is gone
 
     def close(self) -> None:
         with self._lock:
             for path in list(self._maps):
                 self._forget(path)
+
+
+# every open mapping of every store: its start -> (length, file descriptor), for ``file_position``
+_live: dict[int, tuple[int, int]] = {}
+_live_lock = threading.Lock()
+
+
+def file_position(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """The open file and byte offset ``tensor``'s first element lies at, when it is a view of a mapped
+    checkpoint file (``MappedFiles``); else None. The descriptor stays open while its store is."""
+    start = tensor.untyped_storage().data_ptr()
+    with _live_lock:
+        found = _live.get(start)
+    if found is None:
+        return None
+    length, fd = found
+    offset = tensor.data_ptr() - start
+    return (fd, offset) if 0 <= offset < length else None
 
 
 def _by_file(sources: list[TensorSlice]) -> dict[Path, list[TensorSlice]]:

@@ -27,6 +27,7 @@ from torch import fx
 
 from fxoffload_hf.capture import ghost_for
 from fxoffload_hf.graphs import GraphFacts, activation_peak, is_row_lookup, traced_value, value_bytes
+from fxoffload_hf.mapped_io import file_position
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
 from fxoffload_hf.planner import sizes_for_budget
 from fxoffload_hf.progress import report
@@ -229,6 +230,20 @@ def extra_activation_bytes(weight: fx.Node) -> int:
     )
 
 
+def _page_aligned_position(tile: torch.Tensor, shape: tuple[int, ...], start: int) -> tuple[int, int] | None:
+    """The file and offset of ``tile``'s rows, where they can be mapped into a whole-shaped buffer with no
+    copy: a contiguous view of its checkpoint file, its rows starting on a page boundary of the weight
+    (tiles are cut in whole pages), the weight 16-byte aligned (as eager's, for ATen's kernels)."""
+    position = file_position(tile) if tile.is_contiguous() else None
+    if position is None:
+        return None
+    row_bytes = math.prod(shape[1:]) * tile.element_size()
+    weight_start = position[1] - start * row_bytes
+    if (start * row_bytes) % _PAGE or weight_start % 16:
+        return None
+    return position
+
+
 @torch.compiler.disable
 def tile_linear(
     x: torch.Tensor,
@@ -241,13 +256,16 @@ def tile_linear(
     """``linear(x, W, bias)`` for a ``W`` of ``rows`` rows of which only ``tile`` (its rows from ``start``)
     is given: exact in the tile's columns. The first tile's call returns its whole output; each later
     one copies its columns into that output (``filled``) and returns it."""
-    buffer = whole_shaped((rows, *tile.shape[1:]), tile.dtype)
+    shape = (rows, *tile.shape[1:])
     stop = start + tile.shape[0]
+    in_file = _page_aligned_position(tile, shape, start)
+    buffer = whole_shaped(shape, tile.dtype, 0 if in_file is None else in_file[1] % _PAGE)
     with buffer.lock:
-        held = buffer.hold(start, stop)
+        held = buffer.hold(start, stop) if in_file is None else buffer.hold_file(start, stop, *in_file)
         try:
             whole = buffer.tensor
-            whole[start:stop].copy_(tile)
+            if in_file is None:
+                whole[start:stop].copy_(tile)
             if tile.requires_grad:  # the flag picks some of ATen's kernels: see ``loaders.as_parameters``
                 whole = whole.detach().requires_grad_()
             out = torch.nn.functional.linear(x, whole, bias)
