@@ -302,19 +302,26 @@ def run_offloaded(
     return Run(ops, outputs, sum(load is not None for load in schedule.loads), schedule)
 
 
+def checked(run: Run, cap: Captured, reader: type) -> FakeCudaOps:
+    """What every run must show: the reader the plan chose, eager's results, no violation, one copy event
+    per load, and no more loads holding device memory than are loaded ahead."""
+    ops = run.ops
+    assert isinstance(run.schedule.reader, reader)
+    assert all(torch.equal(out, cap.expected) for out in run.outputs)
+    assert ops.violations == []
+    assert ops.events == CALLS * run.loads
+    assert ops.most_in_flight <= run.schedule.distance + 1
+    return ops
+
+
 @pytest.mark.parametrize("distance", [None, 3])
 def test_cuda_loader_orders_every_copy(captured: Captured, distance: int | None) -> None:
     """The real ``CudaLoader`` and ``GraphRunner``: eager's results bit for bit at the plan's distance (1)
     and further ahead; each copy waited for by the read-ahead thread before its staging bytes are reused,
-    and ordered before the compute that reads it (loads with nothing staged are not waited for); the calling thread never waits for copies; no more
-    loads hold device memory than are loaded ahead."""
+    and ordered before the compute that reads it (loads with nothing staged are not waited for); the
+    calling thread never waits for copies; no more loads hold device memory than are loaded ahead."""
     run = run_offloaded(captured, distance=distance)
-    ops = run.ops
-    assert isinstance(run.schedule.reader, ThreadedReader)
-    assert all(torch.equal(out, captured.expected) for out in run.outputs)
-    assert ops.violations == []
-    assert ops.events == CALLS * run.loads
-    assert ops.most_in_flight <= run.schedule.distance + 1
+    ops = checked(run, captured, ThreadedReader)
     specs = [load for load in run.schedule.loads if load is not None]
     for seq in range(1, ops.events + 1):
         # copy_in -> host_wait on the read-ahead thread where staged bytes must outlive the copy ->
@@ -331,12 +338,7 @@ def test_loads_from_host_memory_are_queued_by_the_calling_thread(
     never waits for one, only for the compute of the loads it released, so that at most ``distance`` + 1
     loads hold device memory; eager's results bit for bit."""
     run = run_offloaded(captured, distance=distance, records=host_only(captured))
-    ops = run.ops
-    assert isinstance(run.schedule.reader, InlineReader)
-    assert all(torch.equal(out, captured.expected) for out in run.outputs)
-    assert ops.violations == []
-    assert ops.events == CALLS * run.loads
-    assert ops.most_in_flight <= run.schedule.distance + 1
+    ops = checked(run, captured, InlineReader)
     for seq in range(1, ops.events + 1):
         assert ops.ops(seq) == [("copy_in", True), ("order_after", True)]
 
