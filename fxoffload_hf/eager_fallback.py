@@ -10,6 +10,7 @@ named once in a warning. Inside a captured graph the hooks do nothing: the engin
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 import weakref
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import skip_code
 
 from fxoffload_hf.capture import handle_of
 from fxoffload_hf.loaders import Way, way_of
@@ -73,7 +75,12 @@ class EagerWeights:
         return [
             module.register_forward_pre_hook(self.before),
             module.register_forward_hook(self.after, always_call=True),
+            _LendsAfterBreak(module, self),
         ]
+
+    def holds(self, module: nn.Module) -> bool:
+        """Whether ``module``'s ghosts hold lent values now (a call of it is running eagerly)."""
+        return bool(self._lent.get(module))
 
     def before(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_dynamo_compiling():
@@ -216,6 +223,64 @@ class _EagerForward:
             self.module.forward = self.old  # type: ignore[method-assign,assignment]
         else:
             self.module.__dict__.pop("forward", None)
+
+
+class _LendsAfterBreak:
+    """``module.forward`` wrapped for a forward that runs for real after dynamo traced its pre-hook.
+
+    Dynamo traces a module's call, its pre-hook with it (which does nothing while dynamo traces); a graph
+    break inside the forward that dynamo cannot resume there (inside a loop over a tensor, as in some
+    mixture-of-experts layers) ends the graph at the call of ``forward`` in the module's ``__call__``,
+    and the forward then runs for real with no weights lent: its ghosts read as NaN. Traced, this wrapper
+    is the forward itself; run as a frame of its own (dynamo never compiles it: ``skip_code``), it lends
+    the weights for the call unless the hooks did. Dynamo may still capture graphs around the break
+    inside (fed by the engine); whether it gave up on part of the forward is not known before that part
+    runs, so the weights are lent for every such call: exact first, at the cost of a read."""
+
+    def __init__(self, module: nn.Module, hooks: EagerWeights) -> None:
+        self.module = module
+        self.had_own = "forward" in module.__dict__
+        self.old = module.__dict__.get("forward")
+        module.forward = _lending_forward(module, module.forward, hooks)  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        if self.had_own:
+            self.module.forward = self.old  # type: ignore[method-assign,assignment]
+        else:
+            self.module.__dict__.pop("forward", None)
+
+
+def _lending_forward(module: nn.Module, original: Any, hooks: EagerWeights) -> Any:
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling() or hooks.holds(module):
+            return original(*args, **kwargs)
+        _lend(hooks, module, args)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _give_back(hooks, module, args)
+
+    forward.lends_weights = True  # type: ignore[attr-defined]
+    skip_code(forward.__code__)  # type: ignore[attr-defined]  # every wrapper shares this code object
+    return forward
+
+
+# called from a frame dynamo skips, inside a compiled call: dynamo would compile their frames (and see
+# itself compiling), so they are run as they are
+@torch.compiler.disable
+def _lend(hooks: EagerWeights, module: nn.Module, args: Any) -> None:
+    hooks.before(module, args)
+
+
+@torch.compiler.disable
+def _give_back(hooks: EagerWeights, module: nn.Module, args: Any) -> None:
+    hooks.after(module, args, None)
+
+
+def unwrapped_forward(forward: Any) -> Any:
+    """``forward`` without ``_LendsAfterBreak``'s wrapper (an entry point is compiled as itself)."""
+    return forward.__wrapped__ if getattr(forward, "lends_weights", False) else forward
 
 
 def _record(ghost: nn.Parameter) -> WeightRecord:

@@ -14,7 +14,7 @@ from torch import nn
 
 from fxoffload_hf import eager_paths
 from fxoffload_hf.capture import compile_entry
-from fxoffload_hf.eager_fallback import EagerWeights
+from fxoffload_hf.eager_fallback import EagerWeights, unwrapped_forward
 from fxoffload_hf.engine import Engine
 from fxoffload_hf.generate_memory import counting_kv
 from fxoffload_hf.undo import PatchedAttribute, Undo
@@ -40,7 +40,8 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
     for part in entry.split(".")[:-1]:
         target = getattr(target, part)
     attr = entry.split(".")[-1]
-    original = getattr(target, attr)
+    # a module holding weights itself has its forward wrapped by the eager fallback (never compiled)
+    original = unwrapped_forward(getattr(target, attr))
     # made at the first call that captures (``torch.compile`` itself takes a fifth of a second, which a
     # deferred model's short job need not pay)
     compiled = functools.cache(lambda: compile_entry(original, engine))
