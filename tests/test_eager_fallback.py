@@ -54,14 +54,19 @@ def _ghosts_are_ghosts(model: nn.Module) -> bool:
     return bool(ghosts) and all(p.untyped_storage().nbytes() == p.element_size() for p in ghosts)
 
 
-@pytest.fixture
-def mixed(weight_bytes):
-    torch.manual_seed(0)
-    model = Mixed().eval()
-    x = torch.randn(3, 256)
+def _offloaded_after_eager(model: nn.Module, x: torch.Tensor, weight_bytes) -> torch.Tensor:
+    """Eager's output of ``model`` on ``x``; then ``model`` offloaded at 90% of its weights."""
     with torch.no_grad():
         expected = model(x)
     fxoffload_hf.offload(model, gpu_memory=int(weight_bytes(model) * 0.9), device="cpu")
+    return expected
+
+
+@pytest.fixture
+def mixed(weight_bytes):
+    torch.manual_seed(0)
+    model, x = Mixed().eval(), torch.randn(3, 256)
+    expected = _offloaded_after_eager(model, x, weight_bytes)
     yield model, x, expected
     fxoffload_hf.restore(model)
 
@@ -304,11 +309,8 @@ class Routed(nn.Module):
 
 def test_a_forward_that_runs_for_real_after_its_call_was_traced_gets_its_weights(weight_bytes):
     torch.manual_seed(0)
-    model = Routed().eval()
-    x = torch.randn(16, 128)
-    with torch.no_grad():
-        expected = model(x)
-    fxoffload_hf.offload(model, gpu_memory=int(weight_bytes(model) * 0.9), device="cpu")
+    model, x = Routed().eval(), torch.randn(16, 128)
+    expected = _offloaded_after_eager(model, x, weight_bytes)
     try:
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():
             warnings.simplefilter("always")
