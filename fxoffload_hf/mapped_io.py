@@ -86,7 +86,6 @@ class MappedFiles:
         self._lock = threading.Lock()
         self._populate = _MADV_POPULATE_READ
         self._held: Counter[tuple[int, int]] = Counter()  # (mapping start, 2 MiB unit) -> weights using it
-        self._fds: dict[int, int] = {}  # mapping start -> its file, to drop its pages from the cache
 
     def view(self, source: TensorSlice) -> torch.Tensor:
         """The tensor ``source`` describes, over the file's pages (not yet faulted in).
@@ -138,7 +137,6 @@ class MappedFiles:
             if mapping is None:
                 mapping = self._open(path, stat.st_ino)
                 self._maps[path] = mapping
-                self._fds[mapping.view.data_ptr()] = mapping.fd
                 with _live_lock:
                     _live[mapping.view.data_ptr()] = (mapping.view.numel(), mapping.fd)
             return mapping
@@ -241,7 +239,7 @@ class MappedFiles:
                 else:
                     del held[unit]
                     unused.append(unit)
-            fds = {start: self._fds.get(start) for start, _ in unused} if drop_cache else {}
+            fds = {start: _fd_at(start) for start, _ in unused} if drop_cache else {}
         for start, address, length in _unit_ranges(unused, ends):
             _madvise(address, length, _MADV_DONTNEED)
             fd = fds.get(start)
@@ -250,7 +248,6 @@ class MappedFiles:
 
     def _forget(self, path: Path) -> None:
         mapping = self._maps.pop(path)
-        self._fds.pop(mapping.view.data_ptr(), None)
         with _live_lock:
             _live.pop(mapping.view.data_ptr(), None)
         os.close(mapping.fd)  # the pages stay mapped until the last view of them is gone
@@ -261,9 +258,17 @@ class MappedFiles:
                 self._forget(path)
 
 
-# every open mapping of every store: its start -> (length, file descriptor), for ``file_position``
+# every open mapping of every store: its start -> (length, file descriptor); the file of a mapping's pages
+# to drop from the cache, and ``file_position``
 _live: dict[int, tuple[int, int]] = {}
 _live_lock = threading.Lock()
+
+
+def _fd_at(start: int) -> int | None:
+    """The file descriptor of the open mapping starting at ``start``, if there is one."""
+    with _live_lock:
+        found = _live.get(start)
+    return None if found is None else found[1]
 
 
 def file_position(tensor: torch.Tensor) -> tuple[int, int] | None:
