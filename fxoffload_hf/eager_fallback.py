@@ -199,13 +199,27 @@ class EagerWeights:
         )
 
 
-class _EagerForward:
-    """``module.forward`` replaced by an untraced wrapper that holds the weights for the call."""
+class _ReplacedForward:
+    """``module.forward`` replaced by ``forward`` as an attribute of the instance; ``remove`` puts back
+    what was there (a removable handle, as the hooks' are)."""
 
-    def __init__(self, module: nn.Module, hooks: EagerWeights) -> None:
+    def __init__(self, module: nn.Module, forward: Any) -> None:
         self.module = module
         self.had_own = "forward" in module.__dict__
         self.old = module.__dict__.get("forward")
+        module.forward = forward  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        if self.had_own:
+            self.module.forward = self.old  # type: ignore[method-assign,assignment]
+        else:
+            self.module.__dict__.pop("forward", None)
+
+
+class _EagerForward(_ReplacedForward):
+    """``module.forward`` replaced by an untraced wrapper that holds the weights for the call."""
+
+    def __init__(self, module: nn.Module, hooks: EagerWeights) -> None:
         original = module.forward
 
         @torch.compiler.disable
@@ -216,16 +230,10 @@ class _EagerForward:
             finally:
                 hooks.after(module, args, None)
 
-        module.forward = forward  # type: ignore[method-assign]
-
-    def remove(self) -> None:
-        if self.had_own:
-            self.module.forward = self.old  # type: ignore[method-assign,assignment]
-        else:
-            self.module.__dict__.pop("forward", None)
+        super().__init__(module, forward)
 
 
-class _LendsAfterBreak:
+class _LendsAfterBreak(_ReplacedForward):
     """``module.forward`` wrapped for a forward that runs for real after dynamo traced its pre-hook.
 
     Dynamo traces a module's call, its pre-hook with it (which does nothing while dynamo traces); a graph
@@ -238,16 +246,7 @@ class _LendsAfterBreak:
     runs, so the weights are lent for every such call: exact first, at the cost of a read."""
 
     def __init__(self, module: nn.Module, hooks: EagerWeights) -> None:
-        self.module = module
-        self.had_own = "forward" in module.__dict__
-        self.old = module.__dict__.get("forward")
-        module.forward = _lending_forward(module, module.forward, hooks)  # type: ignore[method-assign]
-
-    def remove(self) -> None:
-        if self.had_own:
-            self.module.forward = self.old  # type: ignore[method-assign,assignment]
-        else:
-            self.module.__dict__.pop("forward", None)
+        super().__init__(module, _lending_forward(module, module.forward, hooks))
 
 
 def _lending_forward(module: nn.Module, original: Any, hooks: EagerWeights) -> Any:
