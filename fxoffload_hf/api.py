@@ -121,12 +121,13 @@ def offload(
         engine = Engine(config, store, memory)
         with stage("weights placed for %s: %s", config.device, store):
             _store_weights(large, store, checkpoint)
-            if config.device.type == "cpu":
+            on_cpu = config.device.type == "cpu"
+            if on_cpu:
                 align.warn_of_unaligned_weights(store)
-                # a 2-D weight may stream in tiles of rows (``tiles``)
-                memory.check_weights(map(tiles.smallest_unit, store.weights()), "weight (or tile of rows)")
-            else:
-                memory.check_weights(r.footprint for r in store.weights())
+            # on the CPU a 2-D weight may stream in tiles of rows (``tiles``)
+            memory.check_weights(
+                tiles.streaming_units(store), "weight (or tile of rows)" if on_cpu else "weight"
+            )
             _spill_what_ram_cannot_hold(store, config, fixed)
         if config.device.type == "cuda":
             if store.bytes_in(Tier.DISK):

@@ -112,9 +112,8 @@ class Engine:
         self.runners: list[GraphRunner] = []
         self.partitions: list[Partition] = []  # of each graph (sizes only: their nodes are dropped)
         self.activation_bytes: list[int] = []  # of each graph
-        self.expected_activations = (
-            0  # what a running ``generate``'s KV cache will reach (``expect_activations``)
-        )
+        # what a running ``generate``'s KV cache will reach (``expect_activations``)
+        self.expected_activations = 0
         self.weight_sizes: dict[str, int] = {}
         self.observers: tuple[Observer, ...] = ()  # watching every runner (timelines)
         self._inputs: list[GraphInput] = []
@@ -211,7 +210,7 @@ class Engine:
         larger batch, longer inputs, a longer KV cache through the same graph): refuse it when its largest
         piece and they cannot fit the budget, else keep fewer weights and plan again, for a quarter more
         than ``need`` where that fits (``_ACTIVATION_HEADROOM``), before anything of it runs."""
-        largest = max((p.weight_bytes for part in self.partitions for p in part.pieces), default=0)
+        largest = self._largest_piece()
         smallest = self.memory.smallest_budget(largest, need)
         budget = self.memory.budget
         if budget is not None and smallest > budget:
@@ -236,10 +235,7 @@ class Engine:
         budget = self.memory.budget
         if budget is None or need <= self._activations():
             return
-        largest = max((p.weight_bytes for part in self.partitions for p in part.pieces), default=0)
-        if not largest:
-            unit = tiles.smallest_unit if self.device.type == "cpu" else (lambda r: r.footprint)
-            largest = max(map(unit, self.store.weights()), default=0)
+        largest = self._largest_piece() or max(tiles.streaming_units(self.store), default=0)
         smallest = self.memory.smallest_budget(largest, need)
         if smallest > budget:
             raise self.memory.too_small(
@@ -251,6 +247,10 @@ class Engine:
         self.expected_activations = need
         if self.plan is not None:
             self.replan()
+
+    def _largest_piece(self) -> int:
+        """Weight bytes of the largest piece of any graph captured so far (0 before capture)."""
+        return max((p.weight_bytes for part in self.partitions for p in part.pieces), default=0)
 
     def _activations(self) -> int:
         """What the plan leaves room for: the largest graph's activations, or a generate's final KV cache."""

@@ -95,6 +95,14 @@ def smallest_unit(record: WeightRecord) -> int:
     return min(record.footprint, smallest_tile_bytes(record.shape, record.dtype.itemsize))
 
 
+def streaming_units(store: WeightStore) -> list[int]:
+    """For each weight of ``store``, the fewest bytes it streams in where the store computes: its smallest
+    tile on the CPU (``smallest_unit``), the whole weight on CUDA (no tiles there yet)."""
+    if store.device.type == "cpu":
+        return [smallest_unit(r) for r in store.weights()]
+    return [r.footprint for r in store.weights()]
+
+
 def tile_ranges(rows: int, per_tile: int) -> list[tuple[int, int]]:
     """The row ranges of ``rows`` rows cut ``per_tile`` at a time (the last may be shorter)."""
     return [(start, min(start + per_tile, rows)) for start in range(0, rows, per_tile)]
