@@ -167,8 +167,7 @@ def plan_model(
             groups = singles if arena else tuple(load_groups(sizes, in_flight))
             inline_schedule = GraphSchedule(build(groups), groups, 0, inline_reader, cut)
         # on CUDA, loads that read no file only queue copies: no thread needed (``loaders``)
-        queued = device_type != "cpu" and inline is not None and not any(staged_sizes)
-        reader = inline if queued and inline is not None else threaded
+        reader = inline if inline is not None and device_type != "cpu" and not any(staged_sizes) else threaded
         plans.append(
             GraphPlan(GraphSchedule(build(singles), singles, distance, reader, cut), inline_schedule)
         )
