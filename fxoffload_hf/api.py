@@ -121,13 +121,10 @@ def offload(
         engine = Engine(config, store, memory)
         with stage("weights placed for %s: %s", config.device, store):
             _store_weights(large, store, checkpoint)
-            on_cpu = config.device.type == "cpu"
-            if on_cpu:
+            if config.device.type == "cpu":
                 align.warn_of_unaligned_weights(store)
-            # on the CPU a 2-D weight may stream in tiles of rows (``tiles``)
-            memory.check_weights(
-                tiles.streaming_units(store), "weight (or tile of rows)" if on_cpu else "weight"
-            )
+            # a 2-D weight may stream in tiles of rows (``tiles``)
+            memory.check_weights(tiles.streaming_units(store, config.device.type), "weight (or tile of rows)")
             _spill_what_ram_cannot_hold(store, config, fixed)
         if config.device.type == "cuda":
             if store.bytes_in(Tier.DISK):

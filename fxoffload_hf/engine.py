@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from fxoffload_hf import tiles
+from fxoffload_hf import row_lookups, tiles
 from fxoffload_hf.activations import ActivationModel, activation_model
 from fxoffload_hf.config import OffloadConfig
 from fxoffload_hf.graphs import capture_device, graph_facts, retarget_devices
@@ -149,14 +149,20 @@ class Engine:
             retarget_devices(gm.graph, traced_on, self.device)
             gm.recompile()
         facts = graph_facts(gm, example_inputs)
+        device_type = self.loader.device_type
+        if device_type == "cuda" and facts.lookups:
+            gm, copies = tiles.own_copy(gm)
+            tables = {copies[w] for w in facts.weight_bytes if facts.names[w] in facts.lookups}
+            row_lookups.gather_on_host(gm, tables)
+            facts = graph_facts(gm, example_inputs)
         self._make_room_for_activations(max(facts.activation_bytes, self.expected_activations))
-        gm, tile_ghosts = tiles.tile_oversized(gm, facts, self.store, self.memory)
+        gm, tile_ghosts = tiles.tile_oversized(gm, facts, self.store, self.memory, device_type)
         if tile_ghosts:
             example_inputs = [*example_inputs, *tile_ghosts]
             facts = graph_facts(gm, example_inputs)
             self._make_room_for_activations(facts.activation_bytes)
         sizes = sizes_for_budget(
-            facts.weight_bytes, facts.names, facts.lookups, self.store.records, self.loader.device_type
+            facts.weight_bytes, facts.names, facts.lookups, self.store.records, device_type
         )
         partition = partition_for_budget(
             gm.graph,
@@ -235,7 +241,9 @@ class Engine:
         budget = self.memory.budget
         if budget is None or need <= self._activations():
             return
-        largest = self._largest_piece() or max(tiles.streaming_units(self.store), default=0)
+        largest = self._largest_piece() or max(
+            tiles.streaming_units(self.store, self.loader.device_type), default=0
+        )
         smallest = self.memory.smallest_budget(largest, need)
         if smallest > budget:
             raise self.memory.too_small(

@@ -14,13 +14,7 @@ from torch import fx
 
 from fxoffload_hf.capture import handle_of
 from fxoffload_hf.memory_model import nbytes
-
-_LOOKUPS = {
-    # op: position of the table among its arguments
-    torch.nn.functional.embedding: 1,
-    torch.embedding: 0,
-    torch.ops.aten.embedding.default: 0,
-}
+from fxoffload_hf.row_lookups import LOOKUPS
 
 
 @dataclass(frozen=True)
@@ -134,9 +128,9 @@ def is_row_lookup(user: fx.Node, weight: fx.Node) -> bool:
     """Whether ``user`` is an embedding lookup with ``weight`` as its table."""
     return (
         user.op == "call_function"
-        and user.target in _LOOKUPS
-        and len(user.args) > _LOOKUPS[user.target]
-        and user.args[_LOOKUPS[user.target]] is weight
+        and user.target in LOOKUPS
+        and len(user.args) > LOOKUPS[user.target]
+        and user.args[LOOKUPS[user.target]] is weight
     )
 
 

@@ -3,10 +3,14 @@
 Each weight comes in one ``Way``:
 
 - ``HELD``: kept where the model computes (or, on the CPU, in RAM): used as it is;
-- ``MAPPED`` (CPU): a view of its file's pages, faulted in ahead and unmapped once its pieces ran;
+- ``MAPPED``: a view of its file's pages, unmapped once its pieces ran; on the CPU faulted in ahead for the
+  ops (a table read by rows is not), on CUDA only a table read by rows;
 - ``STAGED``: read from its file into the staging arena (on the CPU only to change dtype; on CUDA,
   then copied to the device);
-- ``COPIED`` (CUDA): copied from pinned host memory.
+- ``COPIED`` (CUDA): copied from pinned host memory;
+- ``ROWS`` (CUDA): a table the graph only looks rows up in, left in host RAM: the lookups gather their
+  rows there and copy only those (``row_lookups``). From its file, such a table comes ``MAPPED`` for the
+  same use.
 
 A ``LoadSpec`` (built by the planner) lists a load's weights by way. A ``Loader`` runs specs behind one
 protocol: ``load`` (on the read-ahead thread, or inline), ``ready`` (on the calling thread, before the
@@ -47,17 +51,23 @@ class Way(enum.Enum):
     MAPPED = "mapped"
     STAGED = "staged"
     COPIED = "copied"
+    ROWS = "rows"
 
 
 def way_of(record: WeightRecord, device_type: str, *, rows_only: bool = False) -> Way:
     """How ``record`` comes in for a piece, given its tier and the compute device; ``rows_only``: the
-    graph only looks rows up in it (copies of rows: its pages need no alignment for the compute)."""
+    graph only looks rows up in it (copies of rows: its pages need no alignment for the compute; on CUDA
+    the rows are gathered on the host, where the table lies)."""
     tier = record.tier
     if not tier.streams:
         return Way.HELD
     if device_type == "cpu":
         copied_from = rows_only or record.tile_of is not None  # a tile is copied into its whole buffer
         return Way.MAPPED if (record.mappable if copied_from else record.in_place) else Way.STAGED
+    if rows_only and record.host is not None:
+        return Way.ROWS
+    if rows_only and record.mappable:
+        return Way.MAPPED
     return Way.STAGED if tier.from_file else Way.COPIED
 
 
@@ -69,6 +79,7 @@ class LoadSpec:
     mapped: tuple[WeightRecord, ...] = ()
     staged: tuple[WeightRecord, ...] = ()
     copied: tuple[WeightRecord, ...] = ()
+    rows: tuple[WeightRecord, ...] = ()
     fault_in: tuple[bool, ...] = ()  # per mapped weight: fault its pages in ahead (not for row lookups)
     side: int = 0  # end of the staging arena its staged weights take
     kept: tuple[TensorSlice, ...] = ()  # files of held weights kept as mapped pages: checked at each load
@@ -87,6 +98,7 @@ class LoadSpec:
             mapped=tuple(by_way[Way.MAPPED]),
             staged=tuple(by_way[Way.STAGED]),
             copied=tuple(by_way[Way.COPIED]),
+            rows=tuple(by_way[Way.ROWS]),
             fault_in=tuple(r.name not in lookups for r in by_way[Way.MAPPED]),
             side=side,
             kept=tuple(r.disk for r in held if r.mapped and r.disk is not None),
@@ -95,8 +107,10 @@ class LoadSpec:
 
     @functools.cached_property
     def streamed_bytes(self) -> int:
-        """Bytes this load brings in (file bytes of mapped weights, compute bytes of the others)."""
-        mapped = sum(r.disk.nbytes for r in self.mapped if r.disk is not None)
+        """Bytes this load brings in (file bytes of mapped weights, compute bytes of the others; a table
+        read by rows on CUDA is not brought in)."""
+        faulted = zip(self.mapped, self.fault_in, strict=True)
+        mapped = sum(r.disk.nbytes for r, whole in faulted if whole and r.disk is not None)
         return mapped + sum(r.nbytes for r in (*self.staged, *self.copied))
 
 
@@ -184,11 +198,12 @@ class Loader:
         if spec.kept:
             files.check(list(spec.kept))
         tensors: dict[str, torch.Tensor] = {}
+        in_place: dict[str, torch.Tensor] = {r.name: r.host for r in spec.rows}  # type: ignore[misc]
         group = None
         if spec.mapped:
             group = self._group(spec)
             files.acquire(group)
-            tensors.update(zip((r.name for r in spec.mapped), group.views, strict=True))
+            in_place.update(zip((r.name for r in spec.mapped), group.views, strict=True))
         if spec.staged:
             sources = [r.disk for r in spec.staged if r.disk is not None]
             views = self.arena.layout([s.nbytes for s in sources], spec.side)
@@ -201,6 +216,7 @@ class Loader:
         for record in spec.copied:
             tensors[record.name] = record.host  # type: ignore[assignment]
         tensors, event = self.to_device(tensors, wait=bool(spec.staged))
+        tensors.update(in_place)  # used where they lie: on the CPU by the ops, on CUDA by row gathers
         seconds = time.perf_counter() - start
         return Loaded(tensors, start, seconds, spec.streamed_bytes, event, group, spec.leaves)
 

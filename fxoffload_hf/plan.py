@@ -211,16 +211,17 @@ def plan_config(
     # generate: the prefill builds the cache beside its activations; a decode step at the last length
     # holds the cache it was passed and the one it builds
     activations = max(forward + kv, 2 * kv)
-    # on the CPU a table used only for lookups is read by rows from its mapped file, and a weight that
-    # only projections and lookups use streams in tiles of rows if it must (``tiles``)
-    sizes = {w: 0 if device_type == "cpu" and only_row_lookups(w) else b for w, b in weights.items()}
+    # a table used only for lookups is read by rows where it lies (``row_lookups`` on CUDA), and a weight
+    # that only projections and lookups use streams in tiles of rows if it must (``tiles``)
+    sizes = {w: 0 if only_row_lookups(w) else b for w, b in weights.items()}
     shapes = {w: tuple(v.shape) for w, v in zip(placeholders, example_inputs, strict=False) if w in weights}
     itemsize = _dtype_bytes(model)
-    tileable = {w for w in sizes if device_type == "cpu" and sizes[w] and tiles.can_tile(w, shapes[w])}
+    tileable = {w for w in sizes if sizes[w] and tiles.can_tile(w, shapes[w])}
     memory = MemoryModel.where_it_computes(device_type, gpu_budget, cpu_budget, small)
     floors = {
         w: memory.smallest_budget(
-            tiles.smallest_tile_bytes(shapes[w], itemsize), activations + tiles.extra_activation_bytes(w)
+            tiles.smallest_tile_bytes(shapes[w], itemsize, device_type),
+            activations + tiles.extra_activation_bytes(w),
         )
         if w in tileable
         else memory.smallest_budget(b, activations)
@@ -261,7 +262,7 @@ def plan_config(
     ]
     room = memory.room(activations)
     if room is not None:
-        _tile_for_room(gm, sizes, labels, tileable, room, shapes, itemsize)
+        _tile_for_room(gm, sizes, labels, tileable, room, shapes, itemsize, device_type)
     try:
         partition = partition_for_budget(gm.graph, sizes, activations, memory, "auto", labels)
     except BudgetTooSmallError as exc:
@@ -284,19 +285,22 @@ def _tile_for_room(
     room: int,
     shapes: dict[fx.Node, tuple[int, ...]],
     itemsize: int,
+    device_type: str,
 ) -> None:
     """Split the weights the engine would split at this room into tiles (as ``tiles.tile_oversized``
     does), adding their tiles' sizes and names."""
-    oversized = [w for w in tileable if sizes[w] > room // 2]
+    oversized = [w for w in tileable if sizes[w] > tiles.too_large_for(room, device_type)]
     room -= max(map(tiles.extra_activation_bytes, oversized), default=0)
     for weight in oversized:
         per_tile = tiles.rows_per_tile(shapes[weight], itemsize, room // 4)
         if not per_tile:
             continue  # the partition refuses it by name
-        tiling = tiles.split_projections(gm, weight, tiles.tile_ranges(shapes[weight][0], per_tile))
+        ranges = tiles.tile_ranges(shapes[weight][0], per_tile)
+        tiling = tiles.split_projections(gm, weight, ranges, tiles.tile_op(device_type))
         row_bytes = sizes[weight] // shapes[weight][0]
+        held = 2 if tiles.copied_to_compute(device_type) else 1
         for start, stop, node in tiling.tiles:
-            sizes[node] = 2 * (stop - start) * row_bytes
+            sizes[node] = held * (stop - start) * row_bytes
             labels[node] = f"{labels[weight]}[{start}:{stop}]"
         sizes[weight] = 0 if only_row_lookups(weight) else sizes[weight]
 

@@ -175,9 +175,9 @@ def plan_model(
 
 
 def read_by_rows(record: WeightRecord, lookups: frozenset[str], device_type: str) -> bool:
-    """A table the graph only looks rows up in, read where it lies (mapped file pages on the CPU): only
-    the rows looked up are brought in, so the table never counts whole."""
-    return record.name in lookups and way_of(record, device_type, rows_only=True) is Way.MAPPED
+    """A table the graph only looks rows up in, read where it lies (mapped file pages; on CUDA also host
+    RAM): only the rows looked up are brought in, so the table never counts whole."""
+    return record.name in lookups and way_of(record, device_type, rows_only=True) in (Way.MAPPED, Way.ROWS)
 
 
 def _kept_bytes(records: Mapping[str, WeightRecord]) -> int:

@@ -12,14 +12,18 @@ tile's cost in memory (``WeightRecord.footprint`` counts it), and each tile's ca
 the whole projection (cheap beside the stream for one token; a long prompt's full logits take as many
 times the compute as there are tiles).
 
-Only on the CPU: a device buffer has no shared zero page.
+On CUDA a device buffer has no shared zero page: each tile is computed alone (``tile_linear_alone``),
+as its own product of the tile's rows. cuBLAS too picks its kernel by shape, so there a tiled projection
+rounds differently from the whole (one bf16 ulp in a 64-token prefill on an H200); so on CUDA a weight
+is tiled only when it cannot fit the budget even alone, where nothing else would run, and one that
+cannot stream beside another piece streams alone (``too_large_for``).
 """
 
 from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,25 +86,41 @@ def can_tile(weight: fx.Node, shape: Sequence[int]) -> bool:
     return len(shape) == 2 and blocking_use(weight) is None
 
 
-def smallest_tile_bytes(shape: Sequence[int], itemsize: int) -> int:
-    """What the smallest tile of a 2-D weight holds while it computes: its rows, and their copy."""
-    return 2 * min(fewest_rows(shape, itemsize), shape[0]) * math.prod(shape[1:]) * itemsize
+def copied_to_compute(device_type: str) -> bool:
+    """Whether a tile is copied into a whole-shaped buffer to compute (on the CPU), so held twice."""
+    return device_type == "cpu"
 
 
-def smallest_unit(record: WeightRecord) -> int:
-    """The fewest bytes ``record`` can stream in: one tile of the fewest rows for a 2-D weight (held
-    twice while it computes), else the whole weight. Whether its uses allow tiles is known at capture."""
+def too_large_for(room: int, device_type: str) -> int:
+    """Weights larger than this are tiled: on the CPU those that cannot stream beside another piece (two
+    in flight in ``room``), on CUDA only those that cannot stream even alone (exactness first)."""
+    return room // 2 if copied_to_compute(device_type) else room
+
+
+def tile_op(device_type: str) -> TileOp:
+    """How a tile computes on ``device_type``: in a whole-shaped buffer on the CPU, alone on CUDA."""
+    return tile_linear if copied_to_compute(device_type) else tile_linear_alone
+
+
+def smallest_tile_bytes(shape: Sequence[int], itemsize: int, device_type: str) -> int:
+    """What the smallest tile of a 2-D weight holds while it computes: its rows (and on the CPU their
+    copy)."""
+    held = 2 if copied_to_compute(device_type) else 1
+    return held * min(fewest_rows(shape, itemsize), shape[0]) * math.prod(shape[1:]) * itemsize
+
+
+def smallest_unit(record: WeightRecord, device_type: str) -> int:
+    """The fewest bytes ``record`` can stream in: one tile of the fewest rows for a 2-D weight, else the
+    whole weight. Whether its uses allow tiles is known at capture."""
     if len(record.shape) != 2:
         return record.footprint
-    return min(record.footprint, smallest_tile_bytes(record.shape, record.dtype.itemsize))
+    return min(record.footprint, smallest_tile_bytes(record.shape, record.dtype.itemsize, device_type))
 
 
-def streaming_units(store: WeightStore) -> list[int]:
-    """For each weight of ``store``, the fewest bytes it streams in where the store computes: its smallest
-    tile on the CPU (``smallest_unit``), the whole weight on CUDA (no tiles there yet)."""
-    if store.device.type == "cpu":
-        return [smallest_unit(r) for r in store.weights()]
-    return [r.footprint for r in store.weights()]
+def streaming_units(store: WeightStore, device_type: str) -> list[int]:
+    """For each weight of ``store``, the fewest bytes it streams in on ``device_type``
+    (``smallest_unit``)."""
+    return [smallest_unit(r, device_type) for r in store.weights()]
 
 
 def tile_ranges(rows: int, per_tile: int) -> list[tuple[int, int]]:
@@ -109,10 +129,10 @@ def tile_ranges(rows: int, per_tile: int) -> list[tuple[int, int]]:
 
 
 def tile_oversized(
-    gm: fx.GraphModule, facts: GraphFacts, store: WeightStore, memory: MemoryModel
+    gm: fx.GraphModule, facts: GraphFacts, store: WeightStore, memory: MemoryModel, device_type: str
 ) -> tuple[fx.GraphModule, list[torch.nn.Parameter]]:
-    """On the CPU, split each weight of ``gm`` that cannot stream beside another piece into tiles of
-    rows: the graph rewritten (a copy, or ``gm`` itself when nothing is split), and a ghost for each
+    """Split each weight of ``gm`` that cannot stream beside another piece to ``device_type`` into tiles
+    of rows: the graph rewritten (a copy, or ``gm`` itself when nothing is split), and a ghost for each
     tile's new placeholder, in their order.
 
     Raises:
@@ -120,21 +140,25 @@ def tile_oversized(
             even two of its smallest tiles fit beside the activations.
     """
     room = memory.room(facts.activation_bytes)
-    if room is None or store.device.type != "cpu":
+    if room is None:
         return gm, []
     records = store.records
-    sizes = sizes_for_budget(facts.weight_bytes, facts.names, facts.lookups, records, "cpu")
+    sizes = sizes_for_budget(facts.weight_bytes, facts.names, facts.lookups, records, device_type)
+    on_cpu = copied_to_compute(device_type)
+    op = tile_op(device_type)
     # a weight held in RAM on a CPU run does not stream (and a tile is split already)
     streamed = [
-        n for n in sizes if records[facts.names[n]].host is None and records[facts.names[n]].tile_of is None
+        n
+        for n, record in ((n, records[facts.names[n]]) for n in sizes)
+        if (record.host is None if on_cpu else record.tier.streams) and record.tile_of is None
     ]
     tileable: list[fx.Node] = []
     whole: list[fx.Node] = []
-    for node in [n for n in streamed if sizes[n] > room // 2]:
+    for node in [n for n in streamed if sizes[n] > too_large_for(room, device_type)]:
         shape = records[facts.names[node]].shape
         (tileable if len(shape) == 2 and blocking_use(node) is None else whole).append(node)
     # tiles hold one more output of their projection while they compute: the room is what is left
-    activations = _activations_when_tiled(gm, facts, tileable) if tileable else facts.activation_bytes
+    activations = _activations_when_tiled(gm, facts, tileable, op) if tileable else facts.activation_bytes
     room = memory.budget - memory.fixed_bytes - activations  # type: ignore[operator]
     todo, short = [], []  # short: (the budget it needs, why)
     for node in whole:
@@ -153,8 +177,9 @@ def tile_oversized(
         per_tile = rows_per_tile(shape, itemsize, room // 4) or rows_per_tile(shape, itemsize, room // 2)
         todo.append((node, record, per_tile))
         if not per_tile:
-            unit = smallest_unit(record)
-            why = f"not even the smallest tile of rows of {record.name} ({format_bytes(unit)} with its copy) fits"
+            unit = smallest_unit(record, device_type)
+            held = " with its copy" if on_cpu else ""
+            why = f"not even the smallest tile of rows of {record.name} ({format_bytes(unit)}{held}) fits"
             short.append((memory.smallest_budget(unit, activations), why))
     if short:
         smallest, why = max(short)
@@ -164,21 +189,22 @@ def tile_oversized(
     gm, copies = own_copy(gm)
     ghosts, tiled = [], []
     for node, record, per_tile in todo:
-        tiling = split_projections(gm, copies[node], tile_ranges(record.shape[0], per_tile))
+        tiling = split_projections(gm, copies[node], tile_ranges(record.shape[0], per_tile), op)
         tiled.append(f"{record.name} ({len(tiling.tiles)} tiles of {per_tile} rows)")
         for start, stop, _ in tiling.tiles:
-            ghosts.append(ghost_for(store, store.add_tile(record.name, start, stop), store.device))
+            tile = store.add_tile(record.name, start, stop, copied=on_cpu)
+            ghosts.append(ghost_for(store, tile, store.device))
     report("too large to stream beside another piece, split into tiles: %s", ", ".join(tiled))
     return gm, ghosts
 
 
-def _activations_when_tiled(gm: fx.GraphModule, facts: GraphFacts, weights: list[fx.Node]) -> int:
+def _activations_when_tiled(gm: fx.GraphModule, facts: GraphFacts, weights: list[fx.Node], op: TileOp) -> int:
     """The activation peak of ``gm`` with ``weights`` split (into two tiles: more do not hold more)."""
     probe, copies = own_copy(gm)
     weight_nodes = {copies[n] for n in facts.weight_bytes}
     for weight in weights:
         rows = int(traced_value(weight).shape[0])
-        tiling = split_projections(probe, copies[weight], tile_ranges(rows, max(rows // 2, 1)))
+        tiling = split_projections(probe, copies[weight], tile_ranges(rows, max(rows // 2, 1)), op)
         weight_nodes.update(tile for _start, _stop, tile in tiling.tiles)
     return activation_peak(probe.graph, weight_nodes)
 
@@ -200,10 +226,13 @@ def own_copy(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]
     return fx.GraphModule(gm, graph), copies
 
 
-def split_projections(gm: fx.GraphModule, weight: fx.Node, ranges: Sequence[tuple[int, int]]) -> Tiling:
-    """Rewrite every ``linear`` of ``weight`` in ``gm`` as a chain of ``tile_linear`` calls, one per range
-    of rows, each reading a new placeholder (appended after the graph's own, so the call's arguments keep
-    their positions) and filling its columns of the first call's output. Row lookups keep ``weight``."""
+def split_projections(
+    gm: fx.GraphModule, weight: fx.Node, ranges: Sequence[tuple[int, int]], op: TileOp
+) -> Tiling:
+    """Rewrite every ``linear`` of ``weight`` in ``gm`` as a chain of calls of ``op`` (``tile_linear`` or
+    ``tile_linear_alone``), one per range of rows, each reading a new placeholder (appended after the
+    graph's own, so the call's arguments keep their positions) and filling its columns of the first
+    call's output. Row lookups keep ``weight``."""
     graph = gm.graph
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     weight_value = traced_value(weight)
@@ -221,7 +250,7 @@ def split_projections(gm: fx.GraphModule, weight: fx.Node, ranges: Sequence[tupl
         filled: fx.Node | None = None
         with graph.inserting_before(user):
             for start, _stop, tile in tiles:
-                filled = graph.call_function(tile_linear, (x, tile, bias, start, rows, filled))
+                filled = graph.call_function(op, (x, tile, bias, start, rows, filled))
                 filled.meta["example_value"] = traced_value(user)
         assert filled is not None, f"{weight.name}: no rows to tile"
         user.replace_all_uses_with(filled)
@@ -283,3 +312,26 @@ def tile_linear(
         return out
     filled[..., start:stop] = out[..., start:stop]
     return filled
+
+
+@torch.compiler.disable
+def tile_linear_alone(
+    x: torch.Tensor,
+    tile: torch.Tensor,
+    bias: torch.Tensor | None,
+    start: int,
+    rows: int,
+    filled: torch.Tensor | None,
+) -> torch.Tensor:
+    """As ``tile_linear``, with the tile's rows as a product of their own (CUDA: no whole-shaped buffer)."""
+    stop = start + tile.shape[0]
+    out = torch.nn.functional.linear(x, tile, None if bias is None else bias[start:stop])
+    if filled is None:
+        filled = out.new_empty(*out.shape[:-1], rows)
+    filled[..., start:stop] = out
+    return filled
+
+
+TileOp = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor | None, int, int, torch.Tensor | None], torch.Tensor
+]

@@ -64,6 +64,7 @@ class WeightRecord:
     mapped: bool = False  # ``resident`` is a view of its file's pages
     tile_of: str | None = None  # rows ``tile_rows`` of this weight, computed with as a tile (``tiles``)
     tile_rows: tuple[int, int] = (0, 0)
+    tile_copied: bool = False  # the tile is copied into a whole-shaped buffer to compute (on the CPU)
     # the parameter's own flag: ATen picks some kernels by it even without autograd (see
     # ``loaders.as_parameters``), so the compute must see the weight with it
     requires_grad: bool = False
@@ -76,8 +77,8 @@ class WeightRecord:
     def footprint(self) -> int:
         """Bytes in flight while this weight is brought in: the file's bytes, plus the converted copy if
         the file's dtype is not the compute dtype."""
-        # a tile is copied into its weight's whole-shaped buffer for the compute: held twice
-        copy = self.nbytes if self.tile_of is not None else 0
+        # a tile copied into its weight's whole-shaped buffer for the compute is held twice
+        copy = self.nbytes if self.tile_copied else 0
         if self.disk is None or self.host is not None:
             return self.nbytes + copy
         return self.disk.nbytes + (self.nbytes if self.disk.dtype != self.dtype else 0) + copy
@@ -142,9 +143,10 @@ class WeightStore:
         self.records[name] = record
         return record
 
-    def add_tile(self, name: str, start: int, stop: int) -> WeightRecord:
+    def add_tile(self, name: str, start: int, stop: int, *, copied: bool) -> WeightRecord:
         """Rows ``start:stop`` of weight ``name`` as a weight of their own, streamed like any other: a
-        byte range of the same file, or a view of the same host tensor (``tiles``). Made once."""
+        byte range of the same file, or a view of the same host tensor (``tiles``); ``copied``: copied
+        into a whole-shaped buffer to compute. Made once."""
         tile_name = f"{name}[{start}:{stop}]"
         if tile_name not in self.records:
             parent = self.records[name]
@@ -156,6 +158,7 @@ class WeightStore:
                 requires_grad=parent.requires_grad,
                 tile_of=name,
                 tile_rows=(start, stop),
+                tile_copied=copied,
             )
             self._refresh_tiles(name)
         return self.records[tile_name]

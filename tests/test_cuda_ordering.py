@@ -396,3 +396,74 @@ def test_overwritten_staging_changes_results(captured: Captured) -> None:
     run = run_offloaded(captured, SkipsHostWait, distance=3, inline=True)
     assert any("changed before it ran" in what for _, what in run.ops.violations)
     assert not all(torch.equal(out, captured.expected) for out in run.outputs)
+
+
+class NamingFakeOps(FakeCudaOps):
+    """The fake, also noting the name of every weight it is asked to copy."""
+
+    def __init__(self, arena: StagingArena) -> None:
+        super().__init__(arena)
+        self.copied: set[str] = set()
+
+    def copy_in(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
+        self.copied.update(tensors)
+        return super().copy_in(tensors)
+
+
+def test_the_engine_on_cuda_gathers_embedding_rows_and_tiles_the_output_head(tmp_path, monkeypatch) -> None:
+    """The whole engine planning for CUDA (its loader on the fake): a vocabulary large against the hidden
+    size (32,000 against 256) at 8% of the weights. The token table never reaches the device (its lookups
+    gather rows where it lies, ``row_lookups``); the output head streams in tiles computed alone
+    (``tiles.tile_linear_alone``); greedy tokens and every loaded copy's ordering as on CUDA."""
+    import transformers as tf
+
+    import fxoffload_hf
+    from fxoffload_hf import engine as engine_module
+    from fxoffload_hf import tiles
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    eager = tf.LlamaForCausalLM(config).eval()
+    eager.save_pretrained(tmp_path)
+    fakes: list[NamingFakeOps] = []
+
+    def fake_loader(store: WeightStore, device: torch.device, ops: Any = None) -> CudaLoader:
+        arena = StagingArena(pin=False)
+        fakes.append(NamingFakeOps(arena))
+        return CudaLoader(store, arena, fakes[-1])
+
+    monkeypatch.setattr(engine_module, "make_loader", fake_loader)
+    ran_alone = []
+    monkeypatch.setattr(tiles, "tile_linear_alone", _counting(tiles.tile_linear_alone, ran_alone))
+    ids = torch.randint(1, 32000, (1, 12), generator=torch.Generator().manual_seed(1))
+    greedy = {"max_new_tokens": 4, "do_sample": False}
+    with torch.no_grad():
+        expected = eager.generate(ids, **greedy)
+        expected_logits = eager(ids).logits
+    weights = sum(p.numel() * p.element_size() for p in eager.parameters())
+    model = fxoffload_hf.from_pretrained(tmp_path, offload="fx", cpu_memory=int(weights * 0.08))
+    try:
+        with torch.no_grad():
+            got = model.generate(ids, **greedy)
+            logits = model(ids).logits
+        (ops,) = fakes
+        assert torch.equal(got, expected)
+        torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+        store = fxoffload_hf.engine_of(model).store
+        assert "model.embed_tokens.weight" not in ops.copied
+        assert any(store.records[name].tile_of == "lm_head.weight" for name in ops.copied)
+        assert "lm_head.weight" not in ops.copied and ran_alone
+        assert ops.violations == []
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def _counting(fn: Callable[..., Any], calls: list[int]) -> Callable[..., Any]:
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return fn(*args)
+
+    return counted

@@ -71,15 +71,15 @@ def test_tile_records_point_into_their_weight(tmp_path) -> None:
     store = WeightStore(torch.device("cpu"))
     source = TensorSlice(tmp_path / "w.safetensors", "w", 128, 100 * 64 * 4, torch.float32, (100, 64))
     store.add_disk("w", source)
-    tile = store.add_tile("w", 20, 50)
+    tile = store.add_tile("w", 20, 50, copied=True)
     assert tile.disk is not None
     assert (tile.disk.offset, tile.disk.nbytes, tile.shape) == (128 + 20 * 256, 30 * 256, (30, 64))
     assert tile.footprint == 2 * tile.nbytes  # held twice while it computes: streamed, and copied
-    assert store.add_tile("w", 20, 50) is tile
+    assert store.add_tile("w", 20, 50, copied=True) is tile
     assert [r.name for r in store.weights()] == ["w"]
     host = torch.arange(12.0).view(6, 2)
     store.add_host("h", host)
-    assert torch.equal(store.add_tile("h", 2, 4).host, host[2:4])
+    assert torch.equal(store.add_tile("h", 2, 4, copied=True).host, host[2:4])
     store.set_dtype("h", torch.float64)
     assert store.records["h[2:4]"].host.dtype == torch.float64
 
