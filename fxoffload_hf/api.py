@@ -26,8 +26,8 @@ from fxoffload_hf.config import BudgetSpec, OffloadConfig
 from fxoffload_hf.eager_fallback import EagerWeights
 from fxoffload_hf.engine import Engine
 from fxoffload_hf.memory import free_host_memory, memory_limit, tensor_nbytes
-from fxoffload_hf.memory_model import MemoryModel
-from fxoffload_hf.progress import stage
+from fxoffload_hf.memory_model import MemoryModel, format_bytes
+from fxoffload_hf.progress import report, stage
 from fxoffload_hf.safetensors_io import CheckpointError, TensorSlice
 from fxoffload_hf.undo import (
     AttachedHook,
@@ -133,6 +133,8 @@ def offload(
             store.pin_host_memory()
         holders = _install_ghosts(large, store, config.device, undo)
         eager = _guard_modules(model, holders, engine, undo)
+        if engine.deferring:
+            _defer_only_where_lends_fit(eager, holders, engine)
         _take_eager_code_paths(model, undo)
         undo.append(eager_paths.EagerPaths())
         # repeated blocks are not stamped out here (``blocks``): dynamo's reuse check let a wrong trace
@@ -297,7 +299,7 @@ def _guard_modules(
     """Give ghosts their values when their module runs eagerly, convert ghosts on ``.to()``, refuse
     state-dict loads. Returns the hooks that lend the values."""
     names = {module: name for name, module in model.named_modules(remove_duplicate=False)}
-    eager = EagerWeights({m: names.get(m, "") for m in holders}, engine.lock, engine.store)
+    eager = EagerWeights({m: names.get(m, "") for m in holders}, engine.lock, engine.store, engine.memory)
     for module in holders:
         undo.extend(AttachedHook(handle) for handle in eager.install(module))
         undo.append(
@@ -306,6 +308,25 @@ def _guard_modules(
         module._apply = guarded_apply(module)  # type: ignore[method-assign]
     undo.append(AttachedHook(model.register_load_state_dict_pre_hook(refuse_state_dict_load)))
     return eager
+
+
+def _defer_only_where_lends_fit(eager: EagerWeights, holders: set[nn.Module], engine: Engine) -> None:
+    """Deferred capture runs calls eagerly, each module lent its weights whole: where one module's do not
+    fit the budget (an output head larger than it, streamed in tiles once captured), capture from the
+    first call instead."""
+    room = engine.memory.room(0)
+    if room is None:
+        return
+    largest = max(holders, key=eager.lent_bytes, default=None)
+    if largest is not None and eager.lent_bytes(largest) > room:
+        engine.deferring = False
+        report(
+            "capturing from the first call, not deferred: %s %r needs %s whole in an eager call, more than "
+            "the budget holds",
+            type(largest).__name__,
+            eager.names.get(largest, ""),
+            format_bytes(eager.lent_bytes(largest)),
+        )
 
 
 # Module attributes that make a model take, only while dynamo compiles it, another algorithm than the

@@ -6,6 +6,11 @@ the module's ``__call__`` runs for real, so forward hooks see it: the pre-hook g
 their values for the call (read from the store, as accelerate's offload hooks do) and the post-hook
 takes them back. The result is exact; the cost is a read that no prefetch hides, so each such module is
 named once in a warning. Inside a captured graph the hooks do nothing: the engine feeds the weights.
+
+A module's eager call needs its weights whole, so it is refused when they cannot fit the budget
+(``BudgetTooSmallError`` naming the module), except a plain ``nn.Embedding``'s table: it is lent where it
+lies, read by rows as the engine's lookups read it (on CUDA its rows gathered on the host,
+``row_lookups``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from torch._dynamo.eval_frame import skip_code
 from fxoffload_hf.capture import handle_of
 from fxoffload_hf.loaders import Way, way_of
 from fxoffload_hf.mapped_io import MappedGroup
-from fxoffload_hf.memory_model import format_bytes
+from fxoffload_hf.memory_model import MemoryModel, format_bytes
+from fxoffload_hf.row_lookups import gather_rows
 from fxoffload_hf.safetensors_io import TensorSlice
 from fxoffload_hf.weights import WeightRecord, WeightStore
 
@@ -46,10 +52,17 @@ class _Lent:
 class EagerWeights:
     """The forward hooks of every module that holds ghosts (see the module docstring)."""
 
-    def __init__(self, names: Mapping[nn.Module, str], lock: threading.RLock, store: WeightStore) -> None:
+    def __init__(
+        self,
+        names: Mapping[nn.Module, str],
+        lock: threading.RLock,
+        store: WeightStore,
+        memory: MemoryModel | None = None,
+    ) -> None:
         self.names = dict(names)
         self.lock = lock
         self.store = store
+        self.memory = memory  # the budget a module's lent weights must fit
         self.warned: set[nn.Module] = set()
         self.warn = True  # off while the engine runs a call eagerly on purpose
         self.lends = 0  # module calls given weights, over the model's life
@@ -113,11 +126,14 @@ class EagerWeights:
         runner's loads are), the others read."""
         values: dict[int, torch.Tensor] = {}
         in_place: list[int] = []
-        for i, ghost in enumerate(ghosts):
+        ways = self._ways(module, ghosts)
+        self._check_fits(module, ghosts, ways)
+        for i, (ghost, way) in enumerate(zip(ghosts, ways, strict=True)):
             record = _record(ghost)
-            way = way_of(record, ghost.device.type)  # as the runner's loads bring it in
             if way is Way.HELD:
                 values[i] = record.resident  # type: ignore[assignment]
+            elif way is Way.ROWS:
+                values[i] = record.host  # type: ignore[assignment]
             elif way is Way.MAPPED and ghost.dtype == record.dtype:
                 in_place.append(i)
             else:
@@ -137,6 +153,32 @@ class EagerWeights:
             files.acquire(group)
             values.update(zip(in_place, group.views, strict=True))
         return [values[i] for i in range(len(ghosts))]
+
+    def _ways(self, module: nn.Module, ghosts: list[nn.Parameter]) -> list[Way]:
+        """How each ghost's weight comes in for an eager call, as the runner's loads bring it in (a plain
+        embedding's table read by rows)."""
+        rows_only = reads_rows(module)
+        return [way_of(_record(g), g.device.type, rows_only=rows_only) for g in ghosts]
+
+    def _check_fits(self, module: nn.Module, ghosts: list[nn.Parameter], ways: list[Way]) -> None:
+        """Refuse an eager call whose weights, whole, cannot fit the budget."""
+        room = None if self.memory is None else self.memory.room(0)
+        whole = _whole_bytes(module, ghosts, ways)
+        if room is None or whole <= room:
+            return
+        name = self.names.get(module, "")
+        assert self.memory is not None
+        raise self.memory.too_small(
+            self.memory.smallest_budget(whole, 0),
+            0,
+            f"{type(module).__name__} {name!r} runs outside a captured graph (a graph break inside it, "
+            f"deferred capture, or a direct call) and needs its weights whole: {format_bytes(whole)}",
+        )
+
+    def lent_bytes(self, module: nn.Module) -> int:
+        """Bytes an eager call of ``module`` brings in whole (its table read by rows is not)."""
+        ghosts = _ghosts(module)
+        return _whole_bytes(module, ghosts, self._ways(module, ghosts))
 
     def _read_ahead_after(self, module: nn.Module) -> None:
         """Note that ``module`` follows the module lent weights before it, and read ahead the pages of
@@ -250,13 +292,23 @@ class _LendsAfterBreak(_ReplacedForward):
 
 
 def _lending_forward(module: nn.Module, original: Any, hooks: EagerWeights) -> Any:
+    by_rows = reads_rows(module)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        table = module.weight if by_rows else None
+        if isinstance(table, torch.Tensor) and args and table.device != args[0].device:
+            return gather_rows(args[0], table)  # lent where it lies (``Way.ROWS``): gathered there
+        return original(*args, **kwargs)
+
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_dynamo_compiling() or hooks.holds(module):
+        if torch.compiler.is_dynamo_compiling():
             return original(*args, **kwargs)
+        if hooks.holds(module):
+            return run(*args, **kwargs)
         _lend(hooks, module, args)
         try:
-            return original(*args, **kwargs)
+            return run(*args, **kwargs)
         finally:
             _give_back(hooks, module, args)
 
@@ -280,6 +332,23 @@ def _give_back(hooks: EagerWeights, module: nn.Module, args: Any) -> None:
 def unwrapped_forward(forward: Any) -> Any:
     """``forward`` without ``_LendsAfterBreak``'s wrapper (an entry point is compiled as itself)."""
     return forward.__wrapped__ if getattr(forward, "lends_weights", False) else forward
+
+
+def _whole_bytes(module: nn.Module, ghosts: list[nn.Parameter], ways: list[Way]) -> int:
+    """Bytes an eager call brings in whole: not the kept weights, nor a table read by rows where it lies
+    (host RAM, or its file's pages, faulted in by the rows read)."""
+    by_rows = reads_rows(module)
+    return sum(
+        _record(g).footprint
+        for g, way in zip(ghosts, ways, strict=True)
+        if way is not Way.HELD and way is not Way.ROWS and not (by_rows and way is Way.MAPPED)
+    )
+
+
+def reads_rows(module: nn.Module) -> bool:
+    """Whether ``module`` is a plain ``nn.Embedding`` (its own forward, no ``max_norm``): its calls read
+    rows of its table, which can be lent where it lies."""
+    return type(module).forward is nn.Embedding.forward and getattr(module, "max_norm", 1) is None
 
 
 def _record(ghost: nn.Parameter) -> WeightRecord:

@@ -13,7 +13,8 @@ from torch import nn
 
 import fxoffload_hf
 from fxoffload_hf.capture import handle_of
-from fxoffload_hf.eager_fallback import EagerFallbackWarning
+from fxoffload_hf.eager_fallback import EagerFallbackWarning, reads_rows
+from fxoffload_hf.memory_model import BudgetTooSmallError
 
 
 class Uncapturable(nn.Linear):
@@ -322,3 +323,32 @@ def test_a_forward_that_runs_for_real_after_its_call_was_traced_gets_its_weights
         assert _ghosts_are_ghosts(model)
     finally:
         fxoffload_hf.restore(model)
+
+
+def test_an_eager_call_whose_weights_cannot_fit_whole_is_refused_naming_the_module(weight_bytes):
+    """A module dynamo leaves to run eagerly is lent its weights whole: where they exceed the budget, the
+    call is refused by name (the budget to pass in the message), not run beyond it."""
+    torch.manual_seed(0)
+    model, x = Mixed().eval(), torch.randn(3, 256)
+    one_module = 256 * 256 * 4 + 256 * 4  # 'eager': its weight and bias
+    fxoffload_hf.offload(model, cpu_memory=one_module // 2, device="cpu")
+    try:
+        with pytest.raises(BudgetTooSmallError, match=r"Uncapturable 'eager' runs outside a captured graph"):
+            model(x)
+        assert _ghosts_are_ghosts(model)
+    finally:
+        fxoffload_hf.restore(model)
+
+
+class _ScaledEmbedding(nn.Embedding):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * 2.0
+
+
+def test_only_plain_embeddings_are_lent_their_table_where_it_lies() -> None:
+    """A plain ``nn.Embedding`` reads rows of its table (lent where it lies, gathered there on CUDA); one
+    with its own forward or a ``max_norm`` (which writes the table) is lent its table whole."""
+    assert reads_rows(nn.Embedding(10, 4))
+    assert not reads_rows(nn.Embedding(10, 4, max_norm=1.0))
+    assert not reads_rows(_ScaledEmbedding(10, 4))
+    assert not reads_rows(nn.Linear(4, 4))

@@ -325,3 +325,37 @@ def test_a_large_vocabulary_runs_far_below_its_tables_on_the_gpu(tmp_path, dtype
         assert peak <= budget * 1.1, (peak, budget)
     finally:
         fxoffload_hf.restore(model)
+
+
+def test_deferred_calls_gather_embedding_rows_on_the_host(tmp_path):
+    """Deferred capture on the GPU with a table of 32,000 rows: eager calls lend the token table where it
+    lies (pinned host RAM) and gather its rows there, as captured lookups do; tokens equal eager's and the
+    table never reaches the device."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "ckpt")
+    eager = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").cuda().eval()
+    ids = torch.randint(1, 32000, (1, 12), generator=torch.Generator().manual_seed(1)).cuda()
+    greedy = {"max_new_tokens": 4, "do_sample": False}
+    with torch.no_grad():
+        expected = eager.generate(ids, **greedy)
+    total = sum(p.numel() * p.element_size() for p in eager.parameters())
+    del eager
+    model = fxoffload_hf.from_pretrained(
+        tmp_path / "ckpt", gpu_memory=int(total * 0.6), device="cuda", capture="deferred"
+    )
+    try:
+        engine = fxoffload_hf.engine_of(model)
+        assert engine.deferring
+        with torch.no_grad():
+            got = model.generate(ids, **greedy)
+        assert engine.stats.eager_calls >= 1 and engine.runners == []
+        assert torch.equal(got, expected)
+        assert engine.store.records["model.embed_tokens.weight"].tier is not Tier.DEVICE
+    finally:
+        fxoffload_hf.restore(model)
