@@ -63,12 +63,13 @@ def plan(mappings: list[str], only: list[str] | None) -> list[tuple[str, str]]:
     return pairs
 
 
-def check(type_name: str, mapping: str, limit_s: float, logs: Path) -> dict[str, Any]:
+def check(type_name: str, mapping: str, limit_s: float, logs: Path, share: float | None) -> dict[str, Any]:
     """Run one child and turn what came back into a row; its log is kept only when it did not pass."""
     work = Path(tempfile.mkdtemp(prefix=f"coverage-{type_name}-"))
     log = logs / f"{mapping}-{type_name}.log"
+    shared = [] if share is None else [str(share)]
     try:
-        run = run_child(CHILD, [type_name, mapping, str(work / "ckpt")], limit_s, log)
+        run = run_child(CHILD, [type_name, mapping, str(work / "ckpt"), *shared], limit_s, log)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     row = row_of(type_name, mapping, run)
@@ -105,7 +106,7 @@ def sweep(pairs: list[tuple[str, str]], args: argparse.Namespace, done: list[dic
     logs = args.out.parent / "logs"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as out, ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(check, t, m, args.limit_s, logs) for t, m in pairs]
+        futures = [pool.submit(check, t, m, args.limit_s, logs, args.share) for t, m in pairs]
         for i, future in enumerate(futures, 1):
             row = future.result()
             done.append(row)
@@ -149,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit-s", type=float, default=180.0, help="time limit of one child, seconds")
     parser.add_argument("--jobs", type=int, default=1, help="children at once (default 1: a 2-core machine)")
     parser.add_argument("--out", type=Path, default=HERE / "coverage_results" / "coverage.jsonl")
+    parser.add_argument(
+        "--share",
+        type=float,
+        default=None,
+        help="budget as this share of each model's weights exactly, following refusals to the floor they "
+        "name (default: 0.4, with room for 2.5 of the largest weights)",
+    )
     parser.add_argument("--resume", action="store_true", help="skip pairs already in --out")
     parser.add_argument("--report-only", action="store_true", help="only write the summary of --out")
     parser.add_argument("--table", action="store_true", help="print the markdown summary")
@@ -167,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         pairs = [p for p in plan(mappings, only) if p not in seen]
         print(f"{len(pairs)} checks, {args.jobs} at a time, {args.limit_s:g} s each at most", flush=True)
         sweep(pairs, args, rows)
-    header = {"date": dt.date.today().isoformat(), **versions(), "limit_s": args.limit_s}
+    header = {"date": dt.date.today().isoformat(), **versions(), "limit_s": args.limit_s, "share": args.share}
     text = markdown(latest(rows), header)
     table = args.out.with_suffix(".md")
     table.write_text(text)

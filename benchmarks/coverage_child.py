@@ -35,7 +35,9 @@ class Skip(Exception):
     """The type cannot be checked: its tiny model does not build or run eagerly."""
 
 
-def main(type_name: str, mapping: str, folder: Path) -> None:
+def main(type_name: str, mapping: str, folder: Path, share: float | None = None) -> None:
+    """Check one type; ``share``: the budget as that share of the weights exactly (their activation floor
+    where it names one), else ``BUDGET_SHARE`` with room for 2.5 of the largest weights."""
     import torch
     import transformers
 
@@ -60,7 +62,13 @@ def main(type_name: str, mapping: str, folder: Path) -> None:
         record.update(params=sum(p.numel() for p in model.parameters()), weight_bytes=weights)
         reference = eager_reference(auto, folder, model, inputs, record)
         del model
-        record.update(check_offloaded(auto, folder, inputs, reference, weights, largest, record))
+        budget = (
+            int(weights * share)
+            if share is not None
+            else max(int(weights * BUDGET_SHARE), int(2.5 * largest) + 256 * 1024)
+        )
+        record.update(budget_share=share)
+        record.update(check_offloaded(auto, folder, inputs, reference, budget, record))
     except Skip as exc:
         record.update(status="skipped", reason=str(exc), traceback=tail(exc))
     emit(record)
@@ -191,15 +199,14 @@ def check_offloaded(
     folder: Path,
     inputs: dict[str, Any],
     reference: dict[str, Any],
-    weights: int,
-    largest: int,
+    budget: int,
     record: dict[str, Any],
 ) -> dict[str, Any]:
-    """Load offloaded, compare; the status and its facts. Failures become refused / error records."""
+    """Load offloaded at ``budget``, compare; the status and its facts. Failures become refused / error
+    records."""
 
     import fxoffload_hf
 
-    budget = max(int(weights * BUDGET_SHARE), int(2.5 * largest) + 256 * 1024)
     seen: list[warnings.WarningMessage] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -409,5 +416,5 @@ def tail(exc: BaseException, lines: int = 14) -> str:
 
 if __name__ == "__main__":
     start = time.perf_counter()
-    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) > 4 else None)
     print(f"done in {time.perf_counter() - start:.1f} s", file=sys.stderr)

@@ -410,24 +410,18 @@ class NamingFakeOps(FakeCudaOps):
         return super().copy_in(tensors)
 
 
-def test_the_engine_on_cuda_gathers_embedding_rows_and_tiles_the_output_head(tmp_path, monkeypatch) -> None:
+def test_the_engine_on_cuda_gathers_embedding_rows_and_tiles_the_output_head(
+    tmp_path, monkeypatch, save_checkpoint
+) -> None:
     """The whole engine planning for CUDA (its loader on the fake): a vocabulary large against the hidden
     size (32,000 against 256) at 8% of the weights. The token table never reaches the device (its lookups
     gather rows where it lies, ``row_lookups``); the output head streams in tiles computed alone
     (``tiles.tile_linear_alone``); greedy tokens and every loaded copy's ordering as on CUDA."""
-    import transformers as tf
-
     import fxoffload_hf
     from fxoffload_hf import engine as engine_module
     from fxoffload_hf import tiles
 
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2,
-    )  # fmt: skip
-    eager = tf.LlamaForCausalLM(config).eval()
-    eager.save_pretrained(tmp_path)
+    eager = save_checkpoint("llama-vocab-heavy", tmp_path)
     fakes: list[NamingFakeOps] = []
 
     def fake_loader(store: WeightStore, device: torch.device, ops: Any = None) -> CudaLoader:

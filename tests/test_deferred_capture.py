@@ -70,19 +70,11 @@ def test_an_entry_point_inside_an_eager_call_is_part_of_it(tmp_path, save_checkp
         fxoffload_hf.restore(model)
 
 
-def test_deferred_capture_gives_way_where_a_module_cannot_be_lent_whole(tmp_path):
+def test_deferred_capture_gives_way_where_a_module_cannot_be_lent_whole(tmp_path, save_checkpoint):
     """An output head larger than the budget can stream only in tiles, which only a captured graph has:
     deferred capture captures from the first call instead, with eager's tokens. The embedding table, as
     large, would not stop it: an eager lookup reads its rows where they lie."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2,
-    )  # fmt: skip
-    eager = tf.LlamaForCausalLM(config).eval()
-    eager.save_pretrained(tmp_path)
+    eager = save_checkpoint("llama-vocab-heavy", tmp_path)
     ids = torch.randint(1, 32000, (1, 9), generator=torch.Generator().manual_seed(2))
     expected = _generate(eager, ids)
     table = 32000 * 256 * 4

@@ -281,17 +281,14 @@ def test_bf16_sdpa_logits_equal_eager_on_the_gpu(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_large_vocabulary_runs_far_below_its_tables_on_the_gpu(tmp_path, dtype):
+def test_a_large_vocabulary_runs_far_below_its_tables_on_the_gpu(tmp_path, dtype, checkpoint_config):
     """Vocabulary 32,000 against hidden 256 at 15% of the weights on the GPU, below one table: the token
     table stays in host RAM (its rows gathered there), the output head streams in tiles; greedy tokens
     equal eager's, logits within rounding (a tile's product may take another cuBLAS kernel), and device
     memory within the budget."""
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
+    config = checkpoint_config("llama-vocab-heavy")
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).to(dtype).save_pretrained(tmp_path / "ckpt")
     eager = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").cuda().eval()
@@ -327,16 +324,13 @@ def test_a_large_vocabulary_runs_far_below_its_tables_on_the_gpu(tmp_path, dtype
         fxoffload_hf.restore(model)
 
 
-def test_deferred_calls_gather_embedding_rows_on_the_host(tmp_path):
+def test_deferred_calls_gather_embedding_rows_on_the_host(tmp_path, checkpoint_config):
     """Deferred capture on the GPU with a table of 32,000 rows: eager calls lend the token table where it
     lies (pinned host RAM) and gather its rows there, as captured lookups do; tokens equal eager's and the
     table never reaches the device."""
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
+    config = checkpoint_config("llama-vocab-heavy")
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "ckpt")
     eager = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").cuda().eval()
