@@ -1,11 +1,12 @@
 """``generate``'s KV cache at its final length, counted before the first token: a call whose cache cannot
 fit the budget is refused before any weight is read, not at the decode step that outgrows it.
 
-The cache is predicted from the config (``plan.kv_cache_bytes``: every layer's keys and values at full
-attention) for the batch and the final length the call asks for. Only where that is what the cache
-holds: a model whose ``forward`` takes a cache and whose layers all attend fully (no sliding
-windows, no state-space layers, no compressed latent caches). Elsewhere nothing is predicted, and the
-engine measures each call as before (``activations``).
+The cache is predicted from the config (``kv_cache.predicted_cache_bytes``: each layer's keys and values
+at full attention or over its sliding window, as Transformers reads the layer types) for the batch and
+the final length the call asks for. Only where that is what the cache holds: a decoder whose
+``forward`` takes a cache and whose layers are all of those two kinds (no state-space layers, no
+compressed latent or shared caches). Elsewhere nothing is predicted, and the engine measures each call
+as before (``activations``).
 """
 
 from __future__ import annotations
@@ -19,37 +20,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxoffload_hf.plan import kv_cache_bytes
+from fxoffload_hf.kv_cache import cache_positions, predicted_cache_bytes
 
 _CACHE_ARGUMENTS = {"cache", "past_key_values"}  # Transformers 5.25's name, and earlier versions'
-# config attributes of caches that hold less (or other) than keys and values of every position
-_NOT_FULL_ATTENTION = (
-    "sliding_window",
-    "attention_chunk_size",
-    "kv_lora_rank",
-    "state_size",
-    "ssm_state_size",
-)
 
 
-def full_attention_cache(model: nn.Module) -> bool:
-    """Whether ``model``'s generate cache holds the keys and values of every position at every layer."""
+def predictable_cache(model: nn.Module) -> bool:
+    """Whether the bytes of ``model``'s generate cache follow from its config (``kv_cache``)."""
     forward = getattr(model, "forward", None)
     if forward is None or not _CACHE_ARGUMENTS & set(inspect.signature(forward).parameters):
         return False
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False):
         return False
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if any(getattr(text, attr, None) not in (None, 0) for attr in _NOT_FULL_ATTENTION):
-        return False
-    layer_types = getattr(text, "layer_types", None)
-    return layer_types is None or all(kind == "full_attention" for kind in layer_types)
+    return cache_positions(config, 1) is not None
 
 
 def final_kv_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """Bytes of the KV cache at the end of ``model.generate(*args, **kwargs)``; 0 where not predicted."""
-    if not full_attention_cache(model):
+    if not predictable_cache(model):
         return 0
     ids = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs"))
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
@@ -62,7 +51,9 @@ def final_kv_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     new = settings.max_new_tokens if settings.max_new_tokens is not None else settings.max_length - length
     sequences = ids.shape[0] * max(settings.num_beams or 1, settings.num_return_sequences or 1)
     itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
-    return kv_cache_bytes(model.config, sequences, length + max(new, 0), itemsize)
+    # the last new token is returned, never fed back: the cache holds one position fewer than the output
+    positions = length + max(new, 1) - 1
+    return predicted_cache_bytes(model.config, sequences, positions, itemsize) or 0
 
 
 def counting_kv(

@@ -17,6 +17,7 @@ from fxoffload_hf.blocks import BlockRegions, region_counts
 from fxoffload_hf.capture import compile_entry
 from fxoffload_hf.config import RESIDENT_THRESHOLD, BudgetSpec, parse_budgets
 from fxoffload_hf.graphs import activation_peak, call_inputs, only_row_lookups
+from fxoffload_hf.kv_cache import kv_cache_bytes
 from fxoffload_hf.memory import free_device_memory, free_host_memory
 from fxoffload_hf.memory_model import (
     BudgetTooSmallError,
@@ -303,20 +304,6 @@ def _tile_for_room(
             sizes[node] = held * (stop - start) * row_bytes
             labels[node] = f"{labels[weight]}[{start}:{stop}]"
         sizes[weight] = 0 if only_row_lookups(weight) else sizes[weight]
-
-
-def kv_cache_bytes(config: Any, batch: int, seq_len: int, itemsize: int) -> int:
-    """Bytes of ``generate``'s key/value cache at ``seq_len`` positions: every layer's keys and values
-    at full attention (sliding windows and state-space layers hold less); 0 if the config does not say."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers = getattr(text, "num_hidden_layers", None)
-    heads = getattr(text, "num_attention_heads", None)
-    hidden = getattr(text, "hidden_size", None)
-    if not (isinstance(layers, int) and isinstance(heads, int) and heads > 0):
-        return 0
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or (hidden // heads if isinstance(hidden, int) else 0)
-    return 2 * layers * batch * kv_heads * head_dim * seq_len * itemsize
 
 
 def _dtype_bytes(model: torch.nn.Module) -> int:

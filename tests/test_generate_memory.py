@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 
 import fxoffload_hf
-from fxoffload_hf.generate_memory import final_kv_bytes, full_attention_cache
+from fxoffload_hf.generate_memory import final_kv_bytes, predictable_cache
 from fxoffload_hf.memory_model import BudgetTooSmallError
 
 BUDGET = 1_300_000  # the tiny Llama in several pieces, with room for a short generate's cache
@@ -27,25 +27,59 @@ def test_the_final_cache_is_predicted_for_the_batch_beams_and_length(checkpoint_
     model = _tiny(checkpoint_config("llama"))  # 3 layers, 2 key/value heads of 32
     ids = torch.zeros(2, 5, dtype=torch.long)
     per_position = 2 * 3 * 2 * 32 * 4  # keys and values, layers, heads, head size, fp32
-    assert final_kv_bytes(model, (ids,), {"max_new_tokens": 7}) == 2 * 12 * per_position
+    # the last new token is not fed back: 5 + 7 - 1 positions
+    assert final_kv_bytes(model, (ids,), {"max_new_tokens": 7}) == 2 * 11 * per_position
     assert (
         final_kv_bytes(model, (), {"input_ids": ids, "max_new_tokens": 7, "num_beams": 3})
-        == 6 * 12 * per_position
+        == 6 * 11 * per_position
     )
-    assert final_kv_bytes(model, (ids,), {"max_length": 9}) == 2 * 9 * per_position
+    assert final_kv_bytes(model, (ids,), {"max_length": 9}) == 2 * 8 * per_position
 
 
 def test_no_prediction_where_the_cache_holds_something_else(checkpoint_config):
-    sliding = _tiny(tf.MistralConfig(**{**checkpoint_config("mistral").to_dict(), "sliding_window": 4}))
-    assert not full_attention_cache(sliding)
-    assert final_kv_bytes(sliding, (torch.zeros(1, 5, dtype=torch.long),), {"max_new_tokens": 7}) == 0
     with torch.device("meta"):
-        assert not full_attention_cache(tf.T5ForConditionalGeneration(checkpoint_config("t5")))
+        assert not predictable_cache(tf.T5ForConditionalGeneration(checkpoint_config("t5")))
         # no cache at all: each step runs the whole sequence again (its activations are measured per call)
-        assert not full_attention_cache(
+        assert not predictable_cache(
             tf.OpenAIGPTLMHeadModel(tf.OpenAIGPTConfig(n_layer=2, n_embd=64, n_head=2))
         )
-    assert full_attention_cache(_tiny(checkpoint_config("llama")))
+    # state-space layers beside attention ones hold states, not positions
+    hybrid = tf.Qwen3NextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    assert not predictable_cache(_tiny(hybrid))
+    assert predictable_cache(_tiny(checkpoint_config("llama")))
+
+
+def _small(config_class, **extra):
+    return config_class(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, head_dim=16, **extra,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        _small(tf.LlamaConfig),
+        _small(tf.MistralConfig, sliding_window=5),  # every layer over a window shorter than the call
+        _small(tf.Gemma2Config, sliding_window=6),  # sliding and full layers in turn
+        _small(tf.Gemma3TextConfig, sliding_window=4, sliding_window_pattern=2),
+    ],
+    ids=["full", "sliding", "alternating", "pattern"],
+)
+def test_the_prediction_is_the_cache_eager_generate_leaves(config):
+    """What Transformers' own cache holds at the end of a greedy generate, byte for byte, for layers of
+    full attention, sliding windows, and both."""
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(1, 1000, (3, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=5, return_dict_in_generate=True, **GREEDY)
+    cache = out.past_key_values
+    held = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+    assert final_kv_bytes(model, (ids,), {"max_new_tokens": 5}) == held > 0
 
 
 @pytest.fixture
