@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 import types
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -167,6 +167,16 @@ def repeated_blocks(model: nn.Module) -> Iterator[nn.Module]:
         for group in alike.values():
             if len(group) > 1:
                 yield from group
+
+
+def all_alike(blocks: Iterable[nn.Module]) -> bool:
+    """Whether every one of ``blocks`` is a block with the same class, parameter shapes and flags."""
+    children = list(blocks)
+    return (
+        bool(children)
+        and all(_is_block(c) and not _has_own_forward(c) for c in children)
+        and len({_signature(c) for c in children}) == 1
+    )
 
 
 def _has_own_forward(module: nn.Module) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from fxoffload_hf import tiles
+from fxoffload_hf import plan_depth, tiles
 from fxoffload_hf.blocks import BlockRegions, region_counts
 from fxoffload_hf.capture import compile_entry
 from fxoffload_hf.config import RESIDENT_THRESHOLD, BudgetSpec, parse_budgets
@@ -105,10 +105,10 @@ class MetaCapture:
     blocks_reused: int
 
 
-def capture_on_meta(model: torch.nn.Module, *inputs: Any) -> MetaCapture:
+def capture_on_meta(model: torch.nn.Module, *inputs: Any, stamp_blocks: bool = True) -> MetaCapture:
     """Capture ``model.forward`` once with meta inputs: the largest graph and its example inputs.
 
-    Repeated blocks are traced once (``blocks``), so capture costs do not grow with depth.
+    Repeated blocks are traced once (``blocks``) unless ``stamp_blocks`` is False.
     """
     captured: list[tuple[fx.GraphModule, list[Any]]] = []
 
@@ -117,7 +117,7 @@ def capture_on_meta(model: torch.nn.Module, *inputs: Any) -> MetaCapture:
         return gm.forward
 
     regions = BlockRegions()
-    undo = regions.mark(model)
+    undo = regions.mark(model) if stamp_blocks else []
     torch._dynamo.reset()
     try:
         compiled = compile_entry(model.forward, backend, regions)
@@ -189,9 +189,8 @@ def plan_config(
     gpu_budget, cpu_budget = _budgets(device_type, gpu_memory, cpu_memory)
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(config).eval()
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
-    capture = capture_on_meta(model, ids)
+    capture, names = _capture_shallow(config, model, ids) or _capture_deep(model, ids)
     gm, example_inputs = capture.graph, capture.example_inputs
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     weights: dict[fx.Node, int] = {}
@@ -304,6 +303,39 @@ def _tile_for_room(
             sizes[node] = held * (stop - start) * row_bytes
             labels[node] = f"{labels[weight]}[{start}:{stop}]"
         sizes[weight] = 0 if only_row_lookups(weight) else sizes[weight]
+
+
+def _capture_deep(model: torch.nn.Module, ids: torch.Tensor) -> tuple[MetaCapture, dict[int, str]]:
+    """``model`` captured whole (repeated blocks stamped out by dynamo), and its weights' names."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    return capture_on_meta(model, ids), names
+
+
+def _capture_shallow(
+    config: Any, model: torch.nn.Module, ids: torch.Tensor
+) -> tuple[MetaCapture, dict[int, str]] | None:
+    """Where ``model``'s decoder layers are all alike: the model built with two of them, captured, and
+    its graph deepened to ``model``'s depth (``plan_depth``); None where that does not apply."""
+    import transformers as tf
+
+    layers = plan_depth.alike_layers(model)
+    shallow = plan_depth.shallow_config(config, plan_depth.TRACED_LAYERS) if layers else None
+    if layers is None or shallow is None:
+        return None
+    try:
+        with torch.device("meta"):
+            small = tf.AutoModelForCausalLM.from_config(shallow).eval()
+        if len(small.get_submodule(layers.path)) != plan_depth.TRACED_LAYERS:
+            return None
+        names = {id(p): n for n, p in small.named_parameters(remove_duplicate=False)}
+        capture = capture_on_meta(small, ids, stamp_blocks=False)
+    except Exception:  # noqa: BLE001 - a config that does not shrink: the deep model is captured
+        return None
+    inputs = plan_depth.deepen(capture.graph, capture.example_inputs, names, layers)
+    if inputs is None:
+        return None
+    traced = plan_depth.TRACED_LAYERS
+    return MetaCapture(capture.graph, inputs, traced, layers.depth - traced), names
 
 
 def _dtype_bytes(model: torch.nn.Module) -> int:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import transformers as tf
 
+from fxoffload_hf import plan as plan_module
 from fxoffload_hf.plan import plan_config
 
 
 @pytest.mark.parametrize("layers", [20, 80])
-def test_planning_traces_one_block_whatever_the_depth(layers):
+def test_planning_traces_two_layers_whatever_the_depth(layers):
     import transformers as tf
 
     config = tf.LlamaConfig(
@@ -19,12 +21,47 @@ def test_planning_traces_one_block_whatever_the_depth(layers):
         vocab_size=1000,
     )
     report = plan_config(config, gpu_memory="64MiB", device="cuda")
-    assert (report.blocks_traced, report.blocks_reused) == (1, layers - 1)
-    # the stamped-out blocks are in the graph the planner cut: every weight is in a piece but the token
+    assert (report.blocks_traced, report.blocks_reused) == (2, layers - 2)
+    # the copied layers are in the graph the planner cut: every weight is in a piece but the token
     # embeddings, read by rows where they lie
     assert report.error is None and len(report.pieces) > 1
     table = config.vocab_size * config.hidden_size * 4
     assert sum(report.pieces) == report.weight_bytes - table
+
+
+def _small(config_class, **extra):
+    return config_class(
+        hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+        **extra,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        _small(tf.LlamaConfig, num_hidden_layers=12),
+        _small(tf.MistralConfig, num_hidden_layers=6, sliding_window=16),
+        tf.GPT2Config(n_layer=8, n_head=4, n_embd=128, vocab_size=1000, bos_token_id=0, eos_token_id=0),
+        _small(tf.Gemma2Config, num_hidden_layers=6, head_dim=32),  # layers alternate: captured whole
+    ],
+    ids=["llama", "mistral", "gpt2", "gemma2"],
+)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_plan_from_two_layers_equals_the_plan_of_the_whole_capture(config, device, monkeypatch):
+    """The graph deepened from two captured layers is cut into the pieces the deep model's own capture
+    is cut into, with the same floor, activations and arena; alternating layers are captured whole."""
+    budget = {"cpu_memory" if device == "cpu" else "gpu_memory": "2MiB"}
+    shallow = plan_config(config, device=device, seq_len=32, **budget)
+    monkeypatch.setattr(plan_module, "_capture_shallow", lambda *args: None)
+    whole = plan_config(config, device=device, seq_len=32, **budget)
+    fields = ("pieces", "smallest_budget", "floor_set_by", "activation_bytes", "weight_bytes", "arena_bytes")
+    assert [getattr(shallow, f) for f in fields] == [getattr(whole, f) for f in fields]
+    assert len(shallow.pieces) > 2 and shallow.error is None
+    layers = config.num_hidden_layers
+    alternating = isinstance(config, tf.Gemma2Config)
+    assert (shallow.blocks_traced, shallow.blocks_reused) == (
+        (1, layers - 1) if alternating else (2, layers - 2)
+    )
 
 
 def test_the_plan_counts_generates_kv_cache_at_the_length_asked():

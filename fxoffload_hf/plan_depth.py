@@ -1,0 +1,128 @@
+"""A deep model planned from a capture of two of its layers: what ``plan`` costs does not grow with depth.
+
+Dynamo traces a repeated block once and stamps out the rest (``blocks``), but each stamp still costs it
+a reuse check (about 0.1 s a layer here: most of a 70B plan). Where every decoder layer is alike (one
+class, one parameter layout, the same flags: ``blocks.all_alike``), ``plan`` builds
+the same model with two layers, captures that, and copies the second layer's nodes once per missing
+layer in the fx graph (``deepen``), with a weight placeholder of its own for each copy's weights, named
+as the deep model names them. The plan partitions that graph as it would the deep model's. Anything
+unexpected (layers not all alike, a config that cannot shrink, layers whose captured nodes differ) gives
+None, and ``plan`` captures the deep model itself.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from fxoffload_hf.blocks import all_alike
+
+TRACED_LAYERS = 2  # the first, and one whose nodes are copied (its inputs come from a layer before it)
+
+
+@dataclass(frozen=True)
+class Layers:
+    """The decoder layers of a model: the path of their list and how many there are."""
+
+    path: str
+    depth: int
+
+
+def alike_layers(model: nn.Module) -> Layers | None:
+    """The one list of blocks all alike that holds more layers than are traced, or None."""
+    found = [
+        Layers(name, len(module))
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) > TRACED_LAYERS + 1 and all_alike(module)
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def shallow_config(config: Any, layers: int) -> Any | None:
+    """A copy of ``config`` whose decoder has ``layers`` layers (per-layer lists cut alike), or None."""
+    shallow = copy.deepcopy(config)
+    text = shallow.get_text_config() if hasattr(shallow, "get_text_config") else shallow
+    if not isinstance(getattr(text, "num_hidden_layers", None), int):
+        return None
+    text.num_hidden_layers = layers
+    kinds = getattr(text, "layer_types", None)
+    if isinstance(kinds, list):
+        text.layer_types = kinds[:layers]
+    return shallow
+
+
+def deepen(
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+    names: dict[int, str],
+    layers: Layers,
+) -> list[Any] | None:
+    """Copy the last traced layer's nodes of ``gm`` (captured with ``TRACED_LAYERS`` layers) until it has
+    ``layers.depth``, in place; the example inputs extended with a meta parameter for each new weight
+    placeholder (``names`` learns their names). None, with ``gm`` untouched, where the traced layers'
+    nodes do not match one for one."""
+    graph = gm.graph
+    first, last = (_layer_nodes(graph, f"{layers.path}.{k}") for k in (0, TRACED_LAYERS - 1))
+    if (
+        not last
+        or len(first) != len(last)
+        or any(a.target != b.target for a, b in zip(first, last, strict=True))
+    ):
+        return None
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    value_of = dict(zip(placeholders, example_inputs, strict=False))
+    prefix = f"{layers.path}.{TRACED_LAYERS - 1}."
+    own = {
+        p: names[id(v)]
+        for p, v in value_of.items()
+        if isinstance(v, nn.Parameter) and names.get(id(v), "").startswith(prefix)
+    }
+    original = set(graph.nodes)
+    inputs = list(example_inputs)
+    previous = dict(zip(first, last, strict=True))  # what the template read of the layer before it
+    newest = list(last)
+    anchor, after = placeholders[-1], last[-1]
+    for index in range(TRACED_LAYERS, layers.depth):
+        weights: dict[fx.Node, fx.Node] = {}
+        for node, name in own.items():
+            with graph.inserting_after(anchor):
+                anchor = weights[node] = graph.placeholder(f"{node.name}_{index}")
+            anchor.meta = dict(node.meta)
+            value = value_of[node]
+            fresh = nn.Parameter(
+                torch.empty(value.shape, dtype=value.dtype, device="meta"), requires_grad=False
+            )
+            names[id(fresh)] = f"{layers.path}.{index}.{name[len(prefix) :]}"
+            inputs.append(fresh)
+        copies: dict[fx.Node, fx.Node] = {}
+
+        def remap(arg: fx.Node) -> fx.Node:
+            return copies.get(arg) or weights.get(arg) or previous.get(arg, arg)  # noqa: B023
+
+        for node in last:
+            with graph.inserting_after(after):
+                after = copies[node] = graph.node_copy(node, remap)
+        newest = [copies[n] for n in last]
+        previous = dict(zip(first, newest, strict=True))
+    # what read the last traced layer now reads the last copy
+    final = dict(zip(last, newest, strict=True))
+    for node in last:
+        for user in [u for u in node.users if u in original and u not in final]:
+            user.replace_input_with(node, final[node])
+    graph.lint()
+    return inputs
+
+
+def _layer_nodes(graph: fx.Graph, path: str) -> list[fx.Node]:
+    """The nodes (no placeholders) dynamo recorded inside the module at ``path``, in order."""
+    suffix = f".{path}"
+    return [
+        n
+        for n in graph.nodes
+        if n.op not in ("placeholder", "output")
+        and any(p == path or p.endswith(suffix) for p, _ in (n.meta.get("nn_module_stack") or {}).values())
+    ]
