@@ -327,11 +327,15 @@ def _capture_shallow(
             small = tf.AutoModelForCausalLM.from_config(shallow).eval()
         if len(small.get_submodule(layers.path)) != plan_depth.TRACED_LAYERS:
             return None
-        names = {id(p): n for n, p in small.named_parameters(remove_duplicate=False)}
+        tensors = [
+            *small.named_parameters(remove_duplicate=False),
+            *small.named_buffers(remove_duplicate=False),
+        ]
+        names = {id(t): n for n, t in tensors}
         capture = capture_on_meta(small, ids, stamp_blocks=False)
-    except Exception:  # noqa: BLE001 - a config that does not shrink: the deep model is captured
+        inputs = plan_depth.deepen(capture.graph, capture.example_inputs, names, layers)
+    except Exception:  # noqa: BLE001 - a config that does not shrink, a graph not deepened: capture it all
         return None
-    inputs = plan_depth.deepen(capture.graph, capture.example_inputs, names, layers)
     if inputs is None:
         return None
     traced = plan_depth.TRACED_LAYERS

@@ -48,10 +48,13 @@ def shallow_config(config: Any, layers: int) -> Any | None:
     text = shallow.get_text_config() if hasattr(shallow, "get_text_config") else shallow
     if not isinstance(getattr(text, "num_hidden_layers", None), int):
         return None
-    text.num_hidden_layers = layers
-    kinds = getattr(text, "layer_types", None)
-    if isinstance(kinds, list):
-        text.layer_types = kinds[:layers]
+    try:
+        text.num_hidden_layers = layers
+        kinds = getattr(text, "layer_types", None)
+        if isinstance(kinds, list):
+            text.layer_types = kinds[:layers]
+    except (AttributeError, TypeError, ValueError):  # derived, read-only or validated attributes
+        return None
     return shallow
 
 
@@ -62,9 +65,9 @@ def deepen(
     layers: Layers,
 ) -> list[Any] | None:
     """Copy the last traced layer's nodes of ``gm`` (captured with ``TRACED_LAYERS`` layers) until it has
-    ``layers.depth``, in place; the example inputs extended with a meta parameter for each new weight
-    placeholder (``names`` learns their names). None, with ``gm`` untouched, where the traced layers'
-    nodes do not match one for one."""
+    ``layers.depth``, in place; the example inputs with a meta tensor for each new placeholder of a
+    layer's weights and buffers, in the graph's order (``names``, of parameters and buffers, learns
+    theirs). None, with ``gm`` untouched, where the traced layers' nodes do not match one for one."""
     graph = gm.graph
     first, last = (_layer_nodes(graph, f"{layers.path}.{k}") for k in (0, TRACED_LAYERS - 1))
     if (
@@ -79,13 +82,15 @@ def deepen(
     own = {
         p: names[id(v)]
         for p, v in value_of.items()
-        if isinstance(v, nn.Parameter) and names.get(id(v), "").startswith(prefix)
+        if isinstance(v, torch.Tensor) and names.get(id(v), "").startswith(prefix)
     }
     original = set(graph.nodes)
     inputs = list(example_inputs)
     previous = dict(zip(first, last, strict=True))  # what the template read of the layer before it
     newest = list(last)
-    anchor, after = placeholders[-1], last[-1]
+    # each copy's placeholders follow the layer before's, as dynamo orders a deep model's by first use
+    anchor = max(own, key=placeholders.index) if own else placeholders[-1]
+    position, after = placeholders.index(anchor) + 1, last[-1]
     for index in range(TRACED_LAYERS, layers.depth):
         weights: dict[fx.Node, fx.Node] = {}
         for node, name in own.items():
@@ -93,11 +98,12 @@ def deepen(
                 anchor = weights[node] = graph.placeholder(f"{node.name}_{index}")
             anchor.meta = dict(node.meta)
             value = value_of[node]
-            fresh = nn.Parameter(
-                torch.empty(value.shape, dtype=value.dtype, device="meta"), requires_grad=False
-            )
+            fresh = torch.empty(value.shape, dtype=value.dtype, device="meta")
+            if isinstance(value, nn.Parameter):
+                fresh = nn.Parameter(fresh, requires_grad=False)
             names[id(fresh)] = f"{layers.path}.{index}.{name[len(prefix) :]}"
-            inputs.append(fresh)
+            inputs.insert(position, fresh)
+            position += 1
         copies: dict[fx.Node, fx.Node] = {}
 
         def remap(arg: fx.Node) -> fx.Node:
