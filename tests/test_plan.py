@@ -51,12 +51,12 @@ def _small(config_class, **extra):
     ],
     ids=["llama", "mistral", "gpt2", "falcon", "gemma2"],
 )
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_a_plan_from_two_layers_equals_the_plan_of_the_whole_capture(config, device, monkeypatch):
+def test_a_plan_from_two_layers_equals_the_plan_of_the_whole_capture(config, monkeypatch):
     """The graph deepened from two captured layers is cut into the pieces the deep model's own plain
     capture (as the engine captures) is cut into, with the same floor, activations and arena; alternating
-    layers are captured whole, their blocks stamped out by dynamo."""
-    budget = {"cpu_memory" if device == "cpu" else "gpu_memory": "2MiB"}
+    layers are captured whole, their blocks stamped out by dynamo. (The graph is the same for either
+    device: the CUDA plan of the same graph is checked by the depth test above.)"""
+    device, budget = "cpu", {"cpu_memory": "2MiB"}
     shallow = plan_config(config, device=device, seq_len=32, **budget)
     layers = config.num_hidden_layers
     if isinstance(config, tf.Gemma2Config):
