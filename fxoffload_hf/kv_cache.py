@@ -17,6 +17,15 @@ from typing import Any
 _OTHER_CACHES = ("kv_lora_rank", "state_size", "ssm_state_size")
 
 
+def _attr(config: Any, name: str) -> Any:
+    """``config.name``, or None where it is missing or not one value for the whole model (Transformers
+    raises its own error for an attribute that varies by layer)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError, not an AttributeError
+        return None
+
+
 def text_config(config: Any) -> Any:
     """The config of the text decoder (a multimodal model's language model)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -24,12 +33,12 @@ def text_config(config: Any) -> Any:
 
 def _per_position_bytes(text: Any, itemsize: int) -> int | None:
     """Bytes of one position's keys and values in one layer, for one sequence; None if not stated."""
-    heads = getattr(text, "num_attention_heads", None)
-    hidden = getattr(text, "hidden_size", None)
+    heads = _attr(text, "num_attention_heads")
+    hidden = _attr(text, "hidden_size")
     if not (isinstance(heads, int) and heads > 0):
         return None
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or (hidden // heads if isinstance(hidden, int) else 0)
+    kv_heads = _attr(text, "num_key_value_heads") or heads
+    head_dim = _attr(text, "head_dim") or (hidden // heads if isinstance(hidden, int) else 0)
     return 2 * kv_heads * head_dim * itemsize if head_dim else None
 
 
@@ -37,7 +46,7 @@ def cache_positions(config: Any, length: int) -> list[int] | None:
     """Positions each layer's cache holds once ``length`` tokens went through; None where a layer holds
     anything else, or the layers cannot be told."""
     text = text_config(config)
-    if any(getattr(text, attr, None) not in (None, 0) for attr in _OTHER_CACHES):
+    if any(_attr(text, attr) not in (None, 0) for attr in _OTHER_CACHES):
         return None
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs
@@ -53,16 +62,32 @@ def cache_positions(config: Any, length: int) -> list[int] | None:
             positions.append(min(length, layer_kwargs["sliding_window"] - 1))
         else:
             return None
-    return positions if len(positions) == getattr(text, "num_hidden_layers", len(positions)) else None
+    return positions if len(positions) == _attr(text, "num_hidden_layers") else None
+
+
+def _per_layer_position_bytes(text: Any, itemsize: int) -> list[int] | None:
+    """Each layer's bytes per position and sequence, from its own config where layers differ (Transformers'
+    ``per_layer_config``: another head size for global layers, say); None where one is not stated."""
+    layers = _attr(text, "num_hidden_layers")
+    if not isinstance(layers, int):
+        return None
+    try:
+        configs = list(text.per_layer_config)
+    except Exception:  # noqa: BLE001 - an older Transformers, or a config without per-layer views
+        configs = [text] * layers
+    sizes = [_per_position_bytes(c, itemsize) for c in configs]
+    if len(sizes) != layers or any(size is None for size in sizes):
+        return None
+    return sizes  # type: ignore[return-value]
 
 
 def predicted_cache_bytes(config: Any, batch: int, length: int, itemsize: int) -> int | None:
     """Bytes of the cache of ``batch`` sequences after ``length`` tokens; None where not predicted."""
     positions = cache_positions(config, length)
-    per_position = _per_position_bytes(text_config(config), itemsize)
+    per_position = _per_layer_position_bytes(text_config(config), itemsize)
     if positions is None or per_position is None:
         return None
-    return batch * per_position * sum(positions)
+    return batch * sum(p * b for p, b in zip(positions, per_position, strict=True))
 
 
 def kv_cache_bytes(config: Any, batch: int, seq_len: int, itemsize: int) -> int:
@@ -72,9 +97,5 @@ def kv_cache_bytes(config: Any, batch: int, seq_len: int, itemsize: int) -> int:
     predicted = predicted_cache_bytes(config, batch, seq_len, itemsize)
     if predicted is not None:
         return predicted
-    text = text_config(config)
-    layers = getattr(text, "num_hidden_layers", None)
-    per_position = _per_position_bytes(text, itemsize)
-    if not isinstance(layers, int) or per_position is None:
-        return 0
-    return layers * batch * per_position * seq_len
+    per_position = _per_layer_position_bytes(text_config(config), itemsize)
+    return 0 if per_position is None else batch * seq_len * sum(per_position)

@@ -66,12 +66,14 @@ def _small(config_class, **extra):
         _small(tf.MistralConfig, sliding_window=5),  # every layer over a window shorter than the call
         _small(tf.Gemma2Config, sliding_window=6),  # sliding and full layers in turn
         _small(tf.Gemma3TextConfig, sliding_window=4, sliding_window_pattern=2),
+        # global layers with another head size than the sliding ones (a per-layer attribute)
+        _small(tf.Gemma4TextConfig, sliding_window=4, global_head_dim=32),
     ],
-    ids=["full", "sliding", "alternating", "pattern"],
+    ids=["full", "sliding", "alternating", "pattern", "per-layer-heads"],
 )
 def test_the_prediction_is_the_cache_eager_generate_leaves(config):
     """What Transformers' own cache holds at the end of a greedy generate, byte for byte, for layers of
-    full attention, sliding windows, and both."""
+    full attention, sliding windows, both, and layers of different head sizes."""
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(1, 1000, (3, 7), generator=torch.Generator().manual_seed(0))
