@@ -315,17 +315,18 @@ def _defer_only_where_lends_fit(eager: EagerWeights, holders: set[nn.Module], en
     fit the budget (an output head larger than it, streamed in tiles once captured), capture from the
     first call instead."""
     room = engine.memory.room(0)
-    if room is None:
+    if room is None or not holders:
         return
-    largest = max(holders, key=eager.lent_bytes, default=None)
-    if largest is not None and eager.lent_bytes(largest) > room:
+    lent = {module: eager.lent_bytes(module) for module in holders}
+    largest = max(lent, key=lent.__getitem__)
+    if lent[largest] > room:
         engine.deferring = False
         report(
             "capturing from the first call, not deferred: %s %r needs %s whole in an eager call, more than "
             "the budget holds",
             type(largest).__name__,
             eager.names.get(largest, ""),
-            format_bytes(eager.lent_bytes(largest)),
+            format_bytes(lent[largest]),
         )
 
 

@@ -28,7 +28,7 @@ from torch import nn
 from torch._dynamo.eval_frame import skip_code
 
 from fxoffload_hf.capture import handle_of
-from fxoffload_hf.loaders import Way, way_of
+from fxoffload_hf.loaders import ROWS_WHERE_THEY_LIE, Way, way_of
 from fxoffload_hf.mapped_io import MappedGroup
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
 from fxoffload_hf.row_lookups import gather_rows
@@ -295,9 +295,8 @@ def _lending_forward(module: nn.Module, original: Any, hooks: EagerWeights) -> A
     by_rows = reads_rows(module)
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        table = module.weight if by_rows else None
-        if isinstance(table, torch.Tensor) and args and table.device != args[0].device:
-            return gather_rows(args[0], table)  # lent where it lies (``Way.ROWS``): gathered there
+        if by_rows and args and module.weight.device != args[0].device:
+            return gather_rows(args[0], module.weight)  # lent where it lies (``Way.ROWS``): gathered there
         return original(*args, **kwargs)
 
     @functools.wraps(original)
@@ -341,7 +340,7 @@ def _whole_bytes(module: nn.Module, ghosts: list[nn.Parameter], ways: list[Way])
     return sum(
         _record(g).footprint
         for g, way in zip(ghosts, ways, strict=True)
-        if way is not Way.HELD and way is not Way.ROWS and not (by_rows and way is Way.MAPPED)
+        if way is not Way.HELD and not (by_rows and way in ROWS_WHERE_THEY_LIE)
     )
 
 

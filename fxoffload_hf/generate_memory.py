@@ -27,18 +27,22 @@ _CACHE_ARGUMENTS = {"cache", "past_key_values"}  # Transformers 5.25's name, and
 
 def predictable_cache(model: nn.Module) -> bool:
     """Whether the bytes of ``model``'s generate cache follow from its config (``kv_cache``)."""
+    return _decoder_with_cache(model) and cache_positions(model.config, 1) is not None
+
+
+def _decoder_with_cache(model: nn.Module) -> bool:
+    """Whether ``model`` is a decoder with a config whose ``forward`` takes a cache."""
     forward = getattr(model, "forward", None)
     if forward is None or not _CACHE_ARGUMENTS & set(inspect.signature(forward).parameters):
         return False
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "is_encoder_decoder", False):
-        return False
-    return cache_positions(config, 1) is not None
+    return config is not None and not getattr(config, "is_encoder_decoder", False)
 
 
 def final_kv_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """Bytes of the KV cache at the end of ``model.generate(*args, **kwargs)``; 0 where not predicted."""
-    if not predictable_cache(model):
+    """Bytes of the KV cache at the end of ``model.generate(*args, **kwargs)``; 0 where not predicted
+    (``kv_cache.predicted_cache_bytes`` reads the layer kinds)."""
+    if not _decoder_with_cache(model):
         return 0
     ids = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs"))
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:

@@ -54,6 +54,10 @@ class Way(enum.Enum):
     ROWS = "rows"
 
 
+# the ways a table read by rows comes in where it lies, never whole: its file's pages, or (CUDA) host RAM
+ROWS_WHERE_THEY_LIE = frozenset({Way.MAPPED, Way.ROWS})
+
+
 def way_of(record: WeightRecord, device_type: str, *, rows_only: bool = False) -> Way:
     """How ``record`` comes in for a piece, given its tier and the compute device; ``rows_only``: the
     graph only looks rows up in it (copies of rows: its pages need no alignment for the compute; on CUDA

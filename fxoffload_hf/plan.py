@@ -298,7 +298,7 @@ def _tile_for_room(
         ranges = tiles.tile_ranges(shapes[weight][0], per_tile)
         tiling = tiles.split_projections(gm, weight, ranges, tiles.tile_op(device_type))
         row_bytes = sizes[weight] // shapes[weight][0]
-        held = 2 if tiles.copied_to_compute(device_type) else 1
+        held = tiles.times_held(device_type)
         for start, stop, node in tiling.tiles:
             sizes[node] = held * (stop - start) * row_bytes
             labels[node] = f"{labels[weight]}[{start}:{stop}]"

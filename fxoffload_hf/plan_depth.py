@@ -20,6 +20,7 @@ import torch
 from torch import fx, nn
 
 from fxoffload_hf.blocks import all_alike
+from fxoffload_hf.kv_cache import text_config
 
 TRACED_LAYERS = 2  # the first, and one whose nodes are copied (its inputs come from a layer before it)
 
@@ -45,7 +46,7 @@ def alike_layers(model: nn.Module) -> Layers | None:
 def shallow_config(config: Any, layers: int) -> Any | None:
     """A copy of ``config`` whose decoder has ``layers`` layers (per-layer lists cut alike), or None."""
     shallow = copy.deepcopy(config)
-    text = shallow.get_text_config() if hasattr(shallow, "get_text_config") else shallow
+    text = text_config(shallow)
     if not isinstance(getattr(text, "num_hidden_layers", None), int):
         return None
     try:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from fxoffload_hf.loaders import LoadSpec, Reader, Way, way_of
+from fxoffload_hf.loaders import ROWS_WHERE_THEY_LIE, LoadSpec, Reader, Way, way_of
 from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, cuts_for, piece_bytes, window_bytes
 from fxoffload_hf.partition import Partition, partition_graph
 from fxoffload_hf.schedule import PieceProfile, choose_distance, load_groups
@@ -177,7 +177,7 @@ def plan_model(
 def read_by_rows(record: WeightRecord, lookups: frozenset[str], device_type: str) -> bool:
     """A table the graph only looks rows up in, read where it lies (mapped file pages; on CUDA also host
     RAM): only the rows looked up are brought in, so the table never counts whole."""
-    return record.name in lookups and way_of(record, device_type, rows_only=True) in (Way.MAPPED, Way.ROWS)
+    return record.name in lookups and way_of(record, device_type, rows_only=True) in ROWS_WHERE_THEY_LIE
 
 
 def _kept_bytes(records: Mapping[str, WeightRecord]) -> int:

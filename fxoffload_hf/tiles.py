@@ -102,11 +102,20 @@ def tile_op(device_type: str) -> TileOp:
     return tile_linear if copied_to_compute(device_type) else tile_linear_alone
 
 
+def times_held(device_type: str) -> int:
+    """How many times a tile's bytes are held while it computes: twice on the CPU (streamed, and copied
+    into the whole-shaped buffer), once on CUDA."""
+    return 2 if copied_to_compute(device_type) else 1
+
+
 def smallest_tile_bytes(shape: Sequence[int], itemsize: int, device_type: str) -> int:
-    """What the smallest tile of a 2-D weight holds while it computes: its rows (and on the CPU their
-    copy)."""
-    held = 2 if copied_to_compute(device_type) else 1
-    return held * min(fewest_rows(shape, itemsize), shape[0]) * math.prod(shape[1:]) * itemsize
+    """What the smallest tile of a 2-D weight holds while it computes (``times_held``)."""
+    return (
+        times_held(device_type)
+        * min(fewest_rows(shape, itemsize), shape[0])
+        * math.prod(shape[1:])
+        * itemsize
+    )
 
 
 def smallest_unit(record: WeightRecord, device_type: str) -> int:
