@@ -7,9 +7,10 @@ named undo record as it is made, and ``restore`` (or a failed install) undoes th
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -45,6 +46,8 @@ STATE_ATTR = "_fxoffload_state"
 _HOST_SHARE_FOR_WEIGHTS = 0.8
 
 Uses = list[tuple[nn.Module, str, str]]  # every (module, attribute, dotted name) holding one parameter
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -167,6 +170,16 @@ def restore(model: nn.Module) -> nn.Module:
 def engine_of(model: nn.Module) -> Engine:
     """The engine of an offloaded model (for statistics and plans)."""
     return _state_of(model).engine
+
+
+def run_as_block(model: nn.Module, calls: Sequence[Callable[[], T]]) -> list[T]:
+    """Run ``calls`` (each calls the offloaded ``model``: a forward, a ``generate``, a pipeline step) as one
+    block: each graph runs once for every call waiting at it, so each streamed weight is loaded once for
+    all of them instead of once per call. The results, in order, are identical to making the calls one
+    after another. The block holds every call's activations at once; calls whose activations cannot fit
+    the budget together are run in smaller groups.
+    """
+    return engine_of(model).run_together(calls)[0]
 
 
 def remove_on_restore(model: nn.Module, folder: Path) -> None:

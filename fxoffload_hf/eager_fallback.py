@@ -16,7 +16,6 @@ lies, read by rows as the engine's lookups read it (on CUDA its rows gathered on
 from __future__ import annotations
 
 import functools
-import threading
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -28,6 +27,7 @@ from torch import nn
 from torch._dynamo.eval_frame import skip_code
 
 from fxoffload_hf.capture import handle_of
+from fxoffload_hf.cohort import SharedLock
 from fxoffload_hf.loaders import ROWS_WHERE_THEY_LIE, Way, way_of
 from fxoffload_hf.mapped_io import MappedGroup
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
@@ -55,7 +55,7 @@ class EagerWeights:
     def __init__(
         self,
         names: Mapping[nn.Module, str],
-        lock: threading.RLock,
+        lock: SharedLock,
         store: WeightStore,
         memory: MemoryModel | None = None,
     ) -> None:

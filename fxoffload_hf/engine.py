@@ -9,18 +9,18 @@ weights stay, how far ahead to load), the store moves the weights, and a new pla
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import fx
 
-from fxoffload_hf import row_lookups, tiles
+from fxoffload_hf import eager_paths, row_lookups, tiles
 from fxoffload_hf.activations import ActivationModel, activation_model
+from fxoffload_hf.cohort import Cohort, SharedLock
 from fxoffload_hf.config import OffloadConfig
 from fxoffload_hf.graphs import capture_device, graph_facts, retarget_devices
 from fxoffload_hf.loaders import DeviceOps, InlineReader, ThreadedReader, make_loader
@@ -34,6 +34,8 @@ from fxoffload_hf.progress import report
 from fxoffload_hf.runner import CallMeasure, GraphRunner, Observer
 from fxoffload_hf.schedule import PieceProfile, choose_resident
 from fxoffload_hf.weights import WeightStore
+
+T = TypeVar("T")
 
 # loads run inline when the last call's loads took less than this share of its compute: 5% to start
 # loading inline, 20% to go back to the read-ahead thread (a margin either way, so the choice does not
@@ -58,6 +60,7 @@ class Stats:
     """Counters over the engine's lifetime."""
 
     calls: int = 0
+    runs: int = 0  # of graphs: fewer than calls where blocks of calls ran together (``run_together``)
     pieces_run: int = 0
     bytes_streamed: int = 0
     copy_seconds: float = 0.0
@@ -65,8 +68,9 @@ class Stats:
     graphs: int = 0
     eager_calls: int = 0  # run before capture (``capture="deferred"``)
 
-    def add_call(self, measure: CallMeasure) -> None:
-        self.calls += 1
+    def add_call(self, measure: CallMeasure, calls: int = 1) -> None:
+        self.calls += calls
+        self.runs += 1
         self.pieces_run += measure.pieces
         self.bytes_streamed += measure.streamed_bytes
         self.copy_seconds += measure.streamed_copy_seconds
@@ -82,6 +86,7 @@ class Stats:
     def as_dict(self) -> dict[str, Any]:
         return {
             "calls": self.calls,
+            "graph_runs": self.runs,
             "graphs": self.graphs,
             "eager_calls": self.eager_calls,
             "pieces_run": self.pieces_run,
@@ -107,7 +112,8 @@ class Engine:
         self._inline = InlineReader()
         if memory.budget is not None:
             return_large_frees_to_the_os()
-        self.lock = threading.RLock()
+        self.lock = SharedLock()  # held for each call; a block's members pass through (``cohort``)
+        self.cohort: Cohort | None = None  # the block of calls running now (``run_together``)
         self.stats = Stats()
         self.runners: list[GraphRunner] = []
         self.partitions: list[Partition] = []  # of each graph (sizes only: their nodes are dropped)
@@ -256,6 +262,26 @@ class Engine:
         if self.plan is not None:
             self.replan()
 
+    def fits_activations(self, need: int) -> bool:
+        """Whether ``need`` bytes of activations fit the budget beside the largest piece."""
+        budget = self.memory.budget
+        return budget is None or self.memory.smallest_budget(self._largest_piece(), need) <= budget
+
+    def run_together(
+        self, calls: Sequence[Callable[[], T]], member_state: Sequence[tuple[object, str]] = ()
+    ) -> tuple[list[T], list[int]]:
+        """Run ``calls`` as one block (``cohort``): their results in order, and how many calls each graph
+        run served."""
+        cohort = Cohort(self.lock, member_state)
+        with self.lock, eager_paths.inside(masks_by_value=self.device.type == "cuda"):
+            if self.cohort is not None:
+                raise RuntimeError("a block of calls is already running on this model; blocks do not nest")
+            self.cohort = cohort
+            try:
+                return cohort.run(calls), cohort.group_sizes
+            finally:
+                self.cohort = None
+
     def _largest_piece(self) -> int:
         """Weight bytes of the largest piece of any graph captured so far (0 before capture)."""
         return max((p.weight_bytes for part in self.partitions for p in part.pieces), default=0)
@@ -298,10 +324,11 @@ class Engine:
         self.replan()
         report("graph %d profiled: weights now %s", index + 1, self.store.summary())
 
-    def called(self, runner: GraphRunner) -> None:
-        """Count a finished call; on the CPU, load on the calling thread while loads cost little."""
+    def called(self, runner: GraphRunner, calls: int = 1) -> None:
+        """Count a finished run of ``calls`` calls; on the CPU, load on the calling thread while loads cost
+        little."""
         measure = runner.last
-        self.stats.add_call(measure)
+        self.stats.add_call(measure, calls)
         assert self.plan is not None
         graph = self.plan.graphs[runner.index]
         if graph.inline is not None:
@@ -356,10 +383,34 @@ class _GraphEntry:
         self._call = self._profiled_call
 
     def __call__(self, *args: Any) -> Any:
+        cohort = self.engine.cohort
+        if cohort is not None and cohort.is_member():
+            return cohort.wait_at(self, args)
+        return self._call_one(args)
+
+    def _call_one(self, args: tuple[Any, ...]) -> Any:
         need = self.activations(args)
         if need > self.engine.activation_bytes[self.runner.index]:
             self.engine.activations_grew(self.runner.index, need)
         return self._call(args)
+
+    def call_together(self, calls: list[tuple[Any, ...]]) -> list[Any]:
+        """Run the graph for each of ``calls`` in one pass over the pieces (a block's members waiting here).
+        The first call of a graph runs alone (it is profiled), and calls whose activations cannot fit
+        together are split: those run in smaller groups, down to one at a time."""
+        engine, runner = self.engine, self.runner
+        if len(calls) <= 1 or self._call == self._profiled_call:
+            return [self._call_one(calls[0]), *self.call_together(calls[1:])] if calls else []
+        need = sum(self.activations(args) for args in calls)
+        if not engine.fits_activations(need):
+            half = len(calls) // 2
+            return self.call_together(calls[:half]) + self.call_together(calls[half:])
+        if need > engine.activation_bytes[runner.index]:
+            engine.activations_grew(runner.index, need)
+        engine.current()
+        results = runner.run_block(calls)
+        engine.called(runner, len(calls))
+        return results
 
     def _profiled_call(self, args: tuple[Any, ...]) -> Any:
         engine, runner = self.engine, self.runner

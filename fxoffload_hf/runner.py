@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -63,11 +64,19 @@ class GraphRunner:
         self.last = CallMeasure()
 
     def __call__(self, *args: Any) -> Any:
+        return self.run_block([args])[0]
+
+    def run_block(self, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Run the graph on each of ``calls`` (argument tuples), each piece for every call before the next
+        piece loads: its weights are brought in once for all of them. Each call computes exactly what it
+        computes alone (the same pieces on its own values); only the order of the work changes."""
         schedule, loader, observers = self.schedule, self.loader, self.observers
         loads, ends, reader = schedule.loads, schedule.group_ends, schedule.reader
         cuts = schedule.cuts or (False,) * len(loads)
         pieces = self.program.pieces
-        env: dict[fx.Node, Any] = {node: args[i] for node, i in self.program.inputs}
+        envs: list[dict[fx.Node, Any]] = [
+            {node: args[i] for node, i in self.program.inputs} for args in calls
+        ]
         ahead: deque[Future[Loaded]] = deque()
         submitted = released = 0  # pieces whose loads were submitted, and released
         loaded, loaded_until = Loaded({}, 0.0, 0.0, 0), 0  # the load in use; one past its last piece
@@ -84,7 +93,10 @@ class GraphRunner:
         try:
             for step in self.program.steps:
                 if step.piece is None:
-                    env[step.node] = step.fn(*[env[a] if isinstance(a, fx.Node) else a for a in step.args])
+                    for env in envs:
+                        env[step.node] = step.fn(
+                            *[env[a] if isinstance(a, fx.Node) else a for a in step.args]
+                        )
                 else:
                     fresh = step.piece >= loaded_until
                     if fresh:  # else: loaded together with the piece before
@@ -98,30 +110,33 @@ class GraphRunner:
                         copy_s += loaded.seconds
                         streamed += loaded.streamed_bytes
                         streamed_copy_s += loaded.seconds if loaded.streamed_bytes else 0.0
-                    call_args = [
-                        weights[name] if name is not None else env[a] if isinstance(a, fx.Node) else a
-                        for a, name in zip(step.args, step.weights, strict=True)
-                    ]
                     start = time.perf_counter()
-                    ran = False
+                    ran = 0
                     try:
-                        result = step.fn(*call_args)
-                        ran = True
+                        for env in envs:
+                            call_args = [
+                                weights[name] if name is not None else env[a] if isinstance(a, fx.Node) else a
+                                for a, name in zip(step.args, step.weights, strict=True)
+                            ]
+                            env[step.node] = loader.detach(step.fn(*call_args))
+                            del call_args
+                            ran += 1
                     except Exception as exc:
                         raise PieceError(
                             f"piece {step.piece} ({step.node.target}) of a graph offloaded by fxoffload_hf failed: {exc}"
                         ) from exc
                     finally:
-                        del call_args
-                        if step.piece + 1 == loaded_until or not ran:  # the last piece of its load, or failed
+                        if step.piece + 1 == loaded_until or ran < len(
+                            envs
+                        ):  # its load's last piece, or failed
                             loader.release(loaded)
                             released = loaded_until
-                    env[step.node] = loader.detach(result)
                     compute_s += time.perf_counter() - start
                     for observer in observers:
                         observer.piece_ran(self, step.piece, loaded, fresh, start)
                 for value in step.frees:
-                    env.pop(value, None)
+                    for env in envs:
+                        env.pop(value, None)
         except BaseException:
             # leave the staging arena quiet: an unfinished read must not land in the next call's piece
             wait(ahead)
@@ -129,6 +144,9 @@ class GraphRunner:
         finally:
             loader.flush(reader)
         self.last = CallMeasure(copy_s, streamed_copy_s, wait_s, compute_s, streamed, pieces)
+        return [self._output(args, env) for args, env in zip(calls, envs, strict=True)]
+
+    def _output(self, args: tuple[Any, ...], env: dict[fx.Node, Any]) -> Any:
         weight_inputs = self.program.weight_inputs
         return fx.node.map_arg(
             self.program.output, lambda n: args[weight_inputs[n]] if n in weight_inputs else env[n]

@@ -283,6 +283,8 @@ def test_missing_target_is_refused_at_setup(llama_module, half_budget):
         ({"offload_folder": 3}, "offload_folder"),
         ({"log_stats": "yes"}, "log_stats"),
         ({"capture": "later"}, "capture"),
+        ({"batches_per_block": 0}, "batches_per_block"),
+        ({"batches_per_block": True}, "batches_per_block"),
     ],
 )
 def test_constructor_validates_arguments(kwargs, message):

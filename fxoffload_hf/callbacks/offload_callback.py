@@ -23,9 +23,11 @@ import psutil
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 import fxoffload_hf
+from fxoffload_hf.callbacks.predict_blocks import PredictInBlocks
 from fxoffload_hf.capture import handle_of
 from fxoffload_hf.config import CAPTURE_MODES, POLICIES, BudgetSpec, parse_budget
 
@@ -59,6 +61,14 @@ class FxOffloadCallback(Callback):
         policy: ``"auto"`` or ``"sequential"`` (see ``fxoffload_hf.offload``).
         capture: ``"first-call"`` or ``"deferred"`` (see ``fxoffload_hf.offload``).
         log_stats: log bytes streamed, the share of copy time hidden and peak memory per device.
+        batches_per_block: predict this many consecutive batches as one block: each graph of the model
+            runs once for all of them, so each weight streams in once per block instead of once per
+            batch (``fxoffload_hf.run_as_block``). Predictions are identical and kept in order; every
+            batch's hooks and prediction writers still run, ``on_predict_batch_start`` of the block's
+            batches before its compute and ``on_predict_batch_end`` after. The block holds the
+            activations and outputs of all its batches at once (counted in the budget: batches that
+            cannot fit together run in smaller groups). Predict only: test and validate run batch by
+            batch (with a warning when this is above 1).
 
     Raises:
         ValueError: at construction, for a bad budget, policy, target or folder; in ``setup``, for the
@@ -74,6 +84,7 @@ class FxOffloadCallback(Callback):
         policy: str = "auto",
         log_stats: bool = True,
         capture: str = "first-call",
+        batches_per_block: int = 1,
     ) -> None:
         # percentages are resolved against free memory at setup; here only their form is checked
         parse_budget(gpu_memory, free_bytes=2**40, what="gpu_memory")
@@ -89,6 +100,12 @@ class FxOffloadCallback(Callback):
             raise ValueError(f"policy: {policy!r} is not one of {POLICIES}")
         if capture not in CAPTURE_MODES:
             raise ValueError(f"capture: {capture!r} is not one of {CAPTURE_MODES}")
+        if (
+            isinstance(batches_per_block, bool)
+            or not isinstance(batches_per_block, int)
+            or batches_per_block < 1
+        ):
+            raise ValueError(f"batches_per_block: expected a whole number >= 1, got {batches_per_block!r}")
         if not isinstance(log_stats, bool):
             raise ValueError(f"log_stats: expected True or False, got {log_stats!r}")
         self.gpu_memory = gpu_memory
@@ -98,6 +115,8 @@ class FxOffloadCallback(Callback):
         self.policy = policy
         self.capture = capture
         self.log_stats = log_stats
+        self.batches_per_block = batches_per_block
+        self._blocks: PredictInBlocks | None = None
         self.last_stats: dict[str, Any] = {}
         self._module: nn.Module | None = None
         self._device = torch.device("cpu")
@@ -137,6 +156,15 @@ class FxOffloadCallback(Callback):
             capture=self.capture,
         )
         self._module = module
+        if self.batches_per_block > 1:
+            if stage == "predict":
+                engine = fxoffload_hf.engine_of(module)
+                self._blocks = PredictInBlocks(trainer.predict_loop, engine, self.batches_per_block)
+            else:
+                rank_zero_warn(
+                    f"FxOffloadCallback(batches_per_block={self.batches_per_block}) blocks predict loops only; "
+                    f"this {stage} loop runs batch by batch"
+                )
         ghosts = [name for name, param in pl_module.named_parameters() if handle_of(param) is not None]
         self._previous_ignore = getattr(pl_module, _IGNORE_ATTR, _MISSING)
         previous = [] if self._previous_ignore is _MISSING else list(self._previous_ignore)
@@ -170,6 +198,9 @@ class FxOffloadCallback(Callback):
         if self._module is None:
             return
         module, self._module = self._module, None
+        if self._blocks is not None:
+            self._blocks.uninstall()
+            self._blocks = None
         if self._previous_ignore is _MISSING:
             pl_module.__dict__.pop(_IGNORE_ATTR, None)
         else:
@@ -187,6 +218,8 @@ class FxOffloadCallback(Callback):
         self._sample_memory()
         stats: dict[str, Any] = {"stage": stage, "device": str(self._device)}
         stats.update(fxoffload_hf.engine_of(self._module).stats.as_dict())
+        if self._blocks is not None:
+            stats["blocks"] = len(self._blocks.blocks)
         # RSS is sampled after every batch: a peak inside a batch can be missed
         stats["peak_memory_bytes/cpu"] = self._peak_rss
         if self._device.type == "cuda":
