@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fxoffload_hf.api import engine_of, offload, restore, run_as_block
+from fxoffload_hf.api import engine_of, is_offloaded, offload, restore, run_as_block
 from fxoffload_hf.config import OffloadConfig, parse_budget
 from fxoffload_hf.memory_model import BudgetTooSmallError
 from fxoffload_hf.safetensors_io import CheckpointError
@@ -36,6 +36,7 @@ __all__ = [
     "offload",
     "restore",
     "engine_of",
+    "is_offloaded",
     "run_as_block",
     "OffloadConfig",
     "parse_budget",

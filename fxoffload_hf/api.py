@@ -167,6 +167,11 @@ def restore(model: nn.Module) -> nn.Module:
     return model
 
 
+def is_offloaded(model: nn.Module) -> bool:
+    """Whether ``model`` runs through fxoffload_hf now (``offload`` or ``from_pretrained(offload="fx")``)."""
+    return getattr(model, STATE_ATTR, None) is not None
+
+
 def engine_of(model: nn.Module) -> Engine:
     """The engine of an offloaded model (for statistics and plans)."""
     return _state_of(model).engine

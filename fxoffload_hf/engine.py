@@ -83,6 +83,19 @@ class Stats:
             return 1.0
         return max(0.0, 1.0 - self.wait_seconds / self.copy_seconds)
 
+    def since(self, earlier: Stats) -> Stats:
+        """What was counted after ``earlier`` (a copy of these counters); ``graphs`` stays the total."""
+        return Stats(
+            calls=self.calls - earlier.calls,
+            runs=self.runs - earlier.runs,
+            pieces_run=self.pieces_run - earlier.pieces_run,
+            bytes_streamed=self.bytes_streamed - earlier.bytes_streamed,
+            copy_seconds=self.copy_seconds - earlier.copy_seconds,
+            wait_seconds=self.wait_seconds - earlier.wait_seconds,
+            graphs=self.graphs,
+            eager_calls=self.eager_calls - earlier.eager_calls,
+        )
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "calls": self.calls,

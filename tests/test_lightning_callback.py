@@ -292,6 +292,29 @@ def test_constructor_validates_arguments(kwargs, message):
         FxOffloadCallback(**kwargs)
 
 
+def test_a_model_offloaded_before_the_run_predicts_in_blocks_and_stays_offloaded(tmp_path, save_checkpoint):
+    eager = save_checkpoint("llama", tmp_path / "ckpt")
+    expected = _trainer().predict(LlamaModule(eager), _data())
+    model = fxoffload_hf.from_pretrained(tmp_path / "ckpt", cpu_memory=1_500_000, device="cpu")
+    callback = FxOffloadCallback(target="model", batches_per_block=2)
+    for _ in range(2):  # the second run's figures are its own
+        got = _trainer([callback]).predict(LlamaModule(model), _data())
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        assert fxoffload_hf.is_offloaded(model)
+        assert callback.last_stats["calls"] == 3 and callback.last_stats["bytes_streamed"] > 0
+    with pytest.raises(ValueError, match="already offloaded: pass target='model'"):
+        _trainer([FxOffloadCallback()]).predict(LlamaModule(model), _data())
+    with pytest.raises(ValueError, match="already offloaded .* cpu_memory apply only"):
+        _trainer([FxOffloadCallback(target="model", cpu_memory="1MB")]).predict(LlamaModule(model), _data())
+    with pytest.raises(ValueError, match="converts the module's weights"):
+        _trainer([FxOffloadCallback(target="model")], precision="bf16-true").predict(
+            LlamaModule(model), _data()
+        )
+    assert fxoffload_hf.is_offloaded(model)
+    assert torch.equal(_trainer().predict(LlamaModule(model), _data())[0], expected[0])
+    fxoffload_hf.restore(model)
+
+
 def _run_example(args: list[str]) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     proc = subprocess.run(

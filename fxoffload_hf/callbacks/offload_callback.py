@@ -14,6 +14,7 @@ what is left.
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from typing import Any
@@ -22,6 +23,7 @@ import lightning.pytorch as pl
 import psutil
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
@@ -30,11 +32,13 @@ import fxoffload_hf
 from fxoffload_hf.callbacks.predict_blocks import PredictInBlocks
 from fxoffload_hf.capture import handle_of
 from fxoffload_hf.config import CAPTURE_MODES, POLICIES, BudgetSpec, parse_budget
+from fxoffload_hf.engine import Stats
 
 _IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 _STAGES = ("predict", "test", "validate")
 _TARGET_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _MISSING = object()
+_DEFAULTS = {"policy": "auto", "capture": "first-call"}
 
 
 class FxOffloadCallback(Callback):
@@ -51,6 +55,10 @@ class FxOffloadCallback(Callback):
     ``target`` is None, ``self.model(x)`` or ``self.model.generate(...)`` when ``target="model"``).
     Load weights before the run (``load_from_checkpoint``) rather than through ``ckpt_path=``: Lightning
     loads that checkpoint after the callbacks' ``setup``, into the ghosts, which cannot take it.
+
+    A target already offloaded when the run starts (``fxoffload_hf.from_pretrained(path, offload="fx",
+    cpu_memory=...)``: a model larger than RAM cannot be built whole first) runs as it is, with its own
+    budget, device and dtype, and stays offloaded after the run; leave the budget arguments out then.
 
     Args:
         gpu_memory: bytes the engine may use on the compute device (see ``fxoffload_hf.offload``).
@@ -117,6 +125,8 @@ class FxOffloadCallback(Callback):
         self.log_stats = log_stats
         self.batches_per_block = batches_per_block
         self._blocks: PredictInBlocks | None = None
+        self._owned = True  # offloaded by this callback (else before the run: left offloaded after it)
+        self._stats_before = Stats()
         self.last_stats: dict[str, Any] = {}
         self._module: nn.Module | None = None
         self._device = torch.device("cpu")
@@ -139,23 +149,34 @@ class FxOffloadCallback(Callback):
                 f"FxOffloadCallback supports single-device and DDP strategies, not {type(strategy).__name__}"
             )
         module = self._resolve_target(pl_module)
-        converted = trainer.precision_plugin.convert_module(pl_module)
-        if converted is not pl_module:
-            raise ValueError(
-                f"precision plugin {type(trainer.precision_plugin).__name__} replaces the module it converts; "
-                "FxOffloadCallback needs one that converts in place"
-            )
         self._device = strategy.root_device
-        fxoffload_hf.offload(
-            module,
-            gpu_memory=self.gpu_memory,
-            cpu_memory=self.cpu_memory,
-            offload_folder=self.offload_folder,
-            device=self._device,
-            policy=self.policy,
-            capture=self.capture,
-        )
+        self._owned = not fxoffload_hf.is_offloaded(module)
+        inner = [name for name, m in module.named_modules() if name and fxoffload_hf.is_offloaded(m)]
+        if self._owned and inner:
+            raise ValueError(
+                f"{type(module).__name__}.{inner[0]} is already offloaded: pass target={inner[0]!r} (with the "
+                "path from the LightningModule) to run it as it is"
+            )
+        if self._owned:
+            converted = trainer.precision_plugin.convert_module(pl_module)
+            if converted is not pl_module:
+                raise ValueError(
+                    f"precision plugin {type(trainer.precision_plugin).__name__} replaces the module it "
+                    "converts; FxOffloadCallback needs one that converts in place"
+                )
+            fxoffload_hf.offload(
+                module,
+                gpu_memory=self.gpu_memory,
+                cpu_memory=self.cpu_memory,
+                offload_folder=self.offload_folder,
+                device=self._device,
+                policy=self.policy,
+                capture=self.capture,
+            )
+        else:
+            self._check_offloaded_before(module, trainer)
         self._module = module
+        self._stats_before = copy.copy(fxoffload_hf.engine_of(module).stats)
         if self.batches_per_block > 1:
             if stage == "predict":
                 engine = fxoffload_hf.engine_of(module)
@@ -182,6 +203,41 @@ class FxOffloadCallback(Callback):
     ) -> None:
         self._release(pl_module)
 
+    def _check_offloaded_before(self, module: nn.Module, trainer: pl.Trainer) -> None:
+        """A target offloaded before the run (``fxoffload_hf.from_pretrained``: a model larger than RAM
+        cannot be built whole for Lightning) runs with the budget it was given, on its own device, in its
+        own dtype; the run leaves it offloaded."""
+        own = {
+            "gpu_memory": self.gpu_memory,
+            "cpu_memory": self.cpu_memory,
+            "offload_folder": self.offload_folder,
+        }
+        given = [name for name, value in own.items() if value is not None]
+        given += [
+            f"{name}={value!r}"
+            for name, value in (("policy", self.policy), ("capture", self.capture))
+            if value != _DEFAULTS[name]
+        ]
+        what = type(module).__name__
+        if given:
+            raise ValueError(
+                f"the {what} is already offloaded (fxoffload_hf.from_pretrained or offload) with its own budget "
+                f"and settings; {', '.join(given)} apply only to a module the callback offloads: drop them"
+            )
+        device = fxoffload_hf.engine_of(module).device
+        if device != self._device:
+            raise ValueError(
+                f"the {what} was offloaded to compute on {device}, but the Trainer runs on {self._device}: "
+                f"offload it with device={str(self._device)!r}, or give the Trainer that device"
+            )
+        plugin = trainer.precision_plugin
+        if type(plugin) not in (Precision, MixedPrecision):
+            raise ValueError(
+                f"precision plugin {type(plugin).__name__} converts the module's weights, which an offloaded "
+                "model cannot take: load it in the dtype you want (from_pretrained(..., dtype=...)) and use "
+                "precision='32-true' or a mixed precision"
+            )
+
     def _resolve_target(self, pl_module: pl.LightningModule) -> nn.Module:
         if self.target is None:
             return pl_module
@@ -206,7 +262,8 @@ class FxOffloadCallback(Callback):
         else:
             setattr(pl_module, _IGNORE_ATTR, self._previous_ignore)
         self._previous_ignore = _MISSING
-        fxoffload_hf.restore(module)
+        if self._owned:
+            fxoffload_hf.restore(module)
 
     # -- statistics -----------------------------------------------------------------------------
     def _sample_memory(self) -> None:
@@ -217,7 +274,7 @@ class FxOffloadCallback(Callback):
             return
         self._sample_memory()
         stats: dict[str, Any] = {"stage": stage, "device": str(self._device)}
-        stats.update(fxoffload_hf.engine_of(self._module).stats.as_dict())
+        stats.update(fxoffload_hf.engine_of(self._module).stats.since(self._stats_before).as_dict())
         if self._blocks is not None:
             stats["blocks"] = len(self._blocks.blocks)
         # RSS is sampled after every batch: a peak inside a batch can be missed
