@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-throughput bench-cold clean
+.PHONY: demo test lint typecheck bench bench-throughput bench-blocks bench-cold clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ bench: $(STAMP)
 # a batch of 32 prompts against one by one, accelerate and eager (about 10 minutes); not part of bench
 bench-throughput: $(STAMP)
 	$(PY) benchmarks/bench_throughput.py
+
+# Lightning predict over 64 batches in blocks of 1 and 8 batches, under a memory limit (about 5 minutes)
+bench-blocks: $(STAMP)
+	$(PY) benchmarks/bench_predict_blocks.py
 
 # load + the first generate in fresh processes: eager, accelerate, fxoffload first-call and deferred (about 3 minutes)
 bench-cold: $(STAMP)

@@ -3,9 +3,10 @@
 Every call (a member) runs in a thread of its own, but only one runs at a time, in turn, so the model's
 Python code never runs concurrently and nothing in it needs to be thread-safe. A member that reaches a
 captured graph waits there. When every member waits or has finished, the coordinator (the thread that
-started the block) runs the graph that most members wait at once for all of them (``GraphRunner.run_block``:
-each piece loads once and computes for every member before the next loads), hands each member its own
-result, and lets them go on in their order. Each member computes exactly what it computes alone; only the
+started the block) runs the graph that most members wait at once for all of them, or as many as fit the
+budget together (``GraphRunner.run_block``: each piece loads once and computes for every member before the
+next loads), hands each member its own result, and lets those go on in their order before it serves the
+rest. Each member computes exactly what it computes alone; only the
 order of the work changes, so results are bit-identical to calls made one after the other.
 
 Per-member state outside the model (``member_state``: attributes such as a loop's current batch
@@ -33,7 +34,14 @@ _POLL_SECONDS = 0.1
 class Gate(Protocol):
     """A captured graph's entry, as the coordinator runs it for a group of members."""
 
-    def call_together(self, calls: list[tuple[Any, ...]]) -> list[Any]: ...
+    def call_together(self, calls: list[tuple[Any, ...]], held: int) -> list[Any]:
+        """Run the graph for the first of ``calls``, as many as fit beside ``held`` bytes of calls waiting
+        elsewhere: their results."""
+        ...
+
+    def input_bytes(self, calls: list[tuple[Any, ...]]) -> int:
+        """Bytes of the tensors ``calls`` pass of their own (what a waiting call holds)."""
+        ...
 
 
 class SharedLock:
@@ -147,25 +155,29 @@ class Cohort:
                 self._cv.wait(_POLL_SECONDS)
 
     def _serve(self, waiting: list[_Member]) -> None:
-        """Run the graph the most members wait at (the earliest member's on a tie) for all of them."""
+        """Run the graph the most members wait at (the earliest member's on a tie) for as many of them as
+        fit together; those go on, the rest wait for the next run."""
         groups: dict[int, list[_Member]] = {}
         for member in waiting:
             groups.setdefault(id(member.gate), []).append(member)
         group = max(groups.values(), key=len)
         gate, modes = group[0].gate, group[0].modes
         assert gate is not None and modes is not None
-        self.group_sizes.append(len(group))
+        held = sum(m.gate.input_bytes([m.args]) for m in waiting if m.gate is not gate and m.gate is not None)
         try:
             # in the members' modes (the same for all: dynamo guards a graph on them)
             with modes.entered():
-                results = gate.call_together([m.args for m in group])
+                results = gate.call_together([m.args for m in group], held)
         except Exception as exc:
+            served = group
             for member in group:
                 member.error, member.result = exc, None
         else:
-            for member, result in zip(group, results, strict=True):
+            served = group[: len(results)]
+            for member, result in zip(served, results, strict=True):
                 member.result = result
-        for member in group:
+        self.group_sizes.append(len(served))
+        for member in served:
             member.state, member.gate, member.args, member.modes = _State.READY, None, (), None
 
     def _abandon(self, members: list[_Member]) -> None:

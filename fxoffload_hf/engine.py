@@ -15,18 +15,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-import torch
 from torch import fx
 
 from fxoffload_hf import eager_paths, row_lookups, tiles
-from fxoffload_hf.activations import ActivationModel, activation_model
+from fxoffload_hf.activations import activation_model
 from fxoffload_hf.cohort import Cohort, SharedLock
 from fxoffload_hf.config import OffloadConfig
-from fxoffload_hf.graphs import capture_device, graph_facts, retarget_devices
+from fxoffload_hf.graph_entry import GraphEntry
+from fxoffload_hf.graphs import call_inputs, capture_device, graph_facts, retarget_devices
 from fxoffload_hf.loaders import DeviceOps, InlineReader, ThreadedReader, make_loader
 from fxoffload_hf.memory import return_large_frees_to_the_os
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
-from fxoffload_hf.observers import Profiler
 from fxoffload_hf.partition import Partition
 from fxoffload_hf.planner import GraphInput, ModelPlan, partition_for_budget, plan_model, sizes_for_budget
 from fxoffload_hf.program import build_program
@@ -160,7 +159,7 @@ class Engine:
             )
 
     # -- backend --------------------------------------------------------------------------------
-    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> _GraphEntry:
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> GraphEntry:
         """The ``torch.compile`` backend entry: one runner per captured graph."""
         received = time.perf_counter()
         traced_on = capture_device(example_inputs)
@@ -205,8 +204,11 @@ class Engine:
         self.stats.graphs = len(self.runners)
         self._swap(plan)
         self._report_capture(gm, facts.weight_bytes, program.pieces, received)
-        activations = activation_model(gm, set(facts.weight_bytes), facts.activation_bytes)
-        return _GraphEntry(self, runner, activations)
+        weights = set(facts.weight_bytes)
+        activations = activation_model(gm, weights, facts.activation_bytes)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        own = set(call_inputs(gm.graph, weights))
+        return GraphEntry(self, runner, activations, tuple(i for i, n in enumerate(placeholders) if n in own))
 
     def _report_capture(
         self, gm: fx.GraphModule, weights: dict[fx.Node, int], pieces: int, received: float
@@ -384,67 +386,3 @@ class Engine:
         self._threaded.close()
         self.loader.close()
         self.runners.clear()
-
-
-class _GraphEntry:
-    """What the backend returns for a graph: its first call is profiled, later calls just run."""
-
-    def __init__(self, engine: Engine, runner: GraphRunner, activations: ActivationModel) -> None:
-        self.engine = engine
-        self.runner = runner
-        self.activations = activations
-        self._call = self._profiled_call
-
-    def __call__(self, *args: Any) -> Any:
-        cohort = self.engine.cohort
-        if cohort is not None and cohort.is_member():
-            return cohort.wait_at(self, args)
-        return self._call_one(args)
-
-    def _call_one(self, args: tuple[Any, ...]) -> Any:
-        need = self.activations(args)
-        if need > self.engine.activation_bytes[self.runner.index]:
-            self.engine.activations_grew(self.runner.index, need)
-        return self._call(args)
-
-    def call_together(self, calls: list[tuple[Any, ...]]) -> list[Any]:
-        """Run the graph for each of ``calls`` in one pass over the pieces (a block's members waiting here).
-        The first call of a graph runs alone (it is profiled), and calls whose activations cannot fit
-        together are split: those run in smaller groups, down to one at a time."""
-        engine, runner = self.engine, self.runner
-        if len(calls) <= 1 or self._call == self._profiled_call:
-            return [self._call_one(calls[0]), *self.call_together(calls[1:])] if calls else []
-        need = sum(self.activations(args) for args in calls)
-        if not engine.fits_activations(need):
-            half = len(calls) // 2
-            return self.call_together(calls[:half]) + self.call_together(calls[half:])
-        if need > engine.activation_bytes[runner.index]:
-            engine.activations_grew(runner.index, need)
-        engine.current()
-        results = runner.run_block(calls)
-        engine.called(runner, len(calls))
-        return results
-
-    def _profiled_call(self, args: tuple[Any, ...]) -> Any:
-        engine, runner = self.engine, self.runner
-        device = engine.device
-        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-        profiler = Profiler(engine.weight_sizes, sync)
-        engine.current()
-        runner.observers = (*engine.observers, profiler)
-        engine.loader.time_copies = True
-        try:
-            result = runner(*args)
-        finally:
-            runner.observers = engine.observers
-            engine.loader.time_copies = False
-        engine.called(runner)
-        engine.profiled(runner, profiler.profile)
-        self._call = self._steady_call
-        return result
-
-    def _steady_call(self, args: tuple[Any, ...]) -> Any:
-        self.engine.current()
-        result = self.runner(*args)
-        self.engine.called(self.runner)
-        return result

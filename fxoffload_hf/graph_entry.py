@@ -1,0 +1,96 @@
+"""What the engine gives dynamo for each captured graph: the callable that runs it. Its first call is
+profiled; each call's activations are measured first and the plan remade where they outgrow it; a call
+made inside a block of calls (``cohort``) waits at the graph and runs with the others waiting there.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fxoffload_hf.activations import ActivationModel
+from fxoffload_hf.observers import Profiler
+from fxoffload_hf.runner import GraphRunner
+
+if TYPE_CHECKING:
+    from fxoffload_hf.engine import Engine
+
+
+class GraphEntry:
+    """What the backend returns for a graph: its first call is profiled, later calls just run."""
+
+    def __init__(
+        self, engine: Engine, runner: GraphRunner, activations: ActivationModel, inputs: tuple[int, ...]
+    ) -> None:
+        self.engine = engine
+        self.runner = runner
+        self.activations = activations
+        self.inputs = inputs  # positions of the arguments that are the call's own tensors (not weights)
+        self._call = self._profiled_call
+
+    def __call__(self, *args: Any) -> Any:
+        cohort = self.engine.cohort
+        if cohort is not None and cohort.is_member():
+            return cohort.wait_at(self, args)
+        return self._call_one(args)
+
+    def _call_one(self, args: tuple[Any, ...], held: int = 0) -> Any:
+        need = self.activations(args) + held
+        if need > self.engine.activation_bytes[self.runner.index]:
+            self.engine.activations_grew(self.runner.index, need)
+        return self._call(args)
+
+    def input_bytes(self, calls: list[tuple[Any, ...]]) -> int:
+        """Bytes of the tensors ``calls`` pass of their own (a KV cache, ids), each storage once."""
+        storages = {
+            (tensor := args[i]).untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+            for args in calls
+            for i in self.inputs
+            if isinstance(args[i], torch.Tensor)
+        }
+        return sum(storages.values())
+
+    def call_together(self, calls: list[tuple[Any, ...]], held: int) -> list[Any]:
+        """Run the graph for the first of ``calls`` (a block's members waiting here) in one pass over the
+        pieces, as many as fit together: their results, in order; the rest wait for a later run, holding
+        their arguments, beside ``held`` bytes of calls waiting elsewhere. A graph's first call runs
+        alone (it is profiled); the calls that run are halved until their activations fit."""
+        engine, runner = self.engine, self.runner
+        count = 1 if self._call == self._profiled_call else len(calls)
+        need = held + self.input_bytes(calls[count:]) + sum(self.activations(a) for a in calls[:count])
+        while count > 1 and not engine.fits_activations(need):
+            count //= 2
+            need = held + self.input_bytes(calls[count:]) + sum(self.activations(a) for a in calls[:count])
+        if count == 1:
+            return [self._call_one(calls[0], need - self.activations(calls[0]))]
+        if need > engine.activation_bytes[runner.index]:
+            engine.activations_grew(runner.index, need)
+        engine.current()
+        results = runner.run_block(calls[:count])
+        engine.called(runner, count)
+        return results
+
+    def _profiled_call(self, args: tuple[Any, ...]) -> Any:
+        engine, runner = self.engine, self.runner
+        device = engine.device
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        profiler = Profiler(engine.weight_sizes, sync)
+        engine.current()
+        runner.observers = (*engine.observers, profiler)
+        engine.loader.time_copies = True
+        try:
+            result = runner(*args)
+        finally:
+            runner.observers = engine.observers
+            engine.loader.time_copies = False
+        engine.called(runner)
+        engine.profiled(runner, profiler.profile)
+        self._call = self._steady_call
+        return result
+
+    def _steady_call(self, args: tuple[Any, ...]) -> Any:
+        self.engine.current()
+        result = self.runner(*args)
+        self.engine.called(self.runner)
+        return result
