@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from torch import fx
@@ -30,8 +30,9 @@ from fxoffload_hf.partition import Partition
 from fxoffload_hf.planner import GraphInput, ModelPlan, partition_for_budget, plan_model, sizes_for_budget
 from fxoffload_hf.program import build_program
 from fxoffload_hf.progress import report
-from fxoffload_hf.runner import CallMeasure, GraphRunner, Observer
+from fxoffload_hf.runner import GraphRunner, Observer
 from fxoffload_hf.schedule import PieceProfile, choose_resident
+from fxoffload_hf.stats import Stats
 from fxoffload_hf.weights import WeightStore
 
 T = TypeVar("T")
@@ -52,61 +53,6 @@ _ACTIVATION_HEADROOM = 1.25
 # modules): about 7.5 s for both graphs, 0.1 s a module. ``capture="deferred"`` captures once eager
 # calls have taken as long.
 _CAPTURE_SECONDS_PER_MODULE_CALL = 0.1
-
-
-@dataclass
-class Stats:
-    """Counters over the engine's lifetime."""
-
-    calls: int = 0
-    runs: int = 0  # of graphs: fewer than calls where blocks of calls ran together (``run_together``)
-    pieces_run: int = 0
-    bytes_streamed: int = 0
-    copy_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    graphs: int = 0
-    eager_calls: int = 0  # run before capture (``capture="deferred"``)
-
-    def add_call(self, measure: CallMeasure, calls: int = 1) -> None:
-        self.calls += calls
-        self.runs += 1
-        self.pieces_run += measure.pieces
-        self.bytes_streamed += measure.streamed_bytes
-        self.copy_seconds += measure.streamed_copy_seconds
-        self.wait_seconds += measure.wait_seconds
-
-    @property
-    def hidden_copy_share(self) -> float:
-        """Share of copy time that ran behind compute (1.0 when nothing was copied)."""
-        if self.copy_seconds <= 0:
-            return 1.0
-        return max(0.0, 1.0 - self.wait_seconds / self.copy_seconds)
-
-    def since(self, earlier: Stats) -> Stats:
-        """What was counted after ``earlier`` (a copy of these counters); ``graphs`` stays the total."""
-        return Stats(
-            calls=self.calls - earlier.calls,
-            runs=self.runs - earlier.runs,
-            pieces_run=self.pieces_run - earlier.pieces_run,
-            bytes_streamed=self.bytes_streamed - earlier.bytes_streamed,
-            copy_seconds=self.copy_seconds - earlier.copy_seconds,
-            wait_seconds=self.wait_seconds - earlier.wait_seconds,
-            graphs=self.graphs,
-            eager_calls=self.eager_calls - earlier.eager_calls,
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "calls": self.calls,
-            "graph_runs": self.runs,
-            "graphs": self.graphs,
-            "eager_calls": self.eager_calls,
-            "pieces_run": self.pieces_run,
-            "bytes_streamed": self.bytes_streamed,
-            "copy_seconds": round(self.copy_seconds, 4),
-            "wait_seconds": round(self.wait_seconds, 4),
-            "hidden_copy_share": round(self.hidden_copy_share, 4),
-        }
 
 
 class Engine:
@@ -174,7 +120,9 @@ class Engine:
             row_lookups.gather_on_host(gm, tables)
             facts = graph_facts(gm, example_inputs)
         self._make_room_for_activations(max(facts.activation_bytes, self.expected_activations))
-        gm, tile_ghosts = tiles.tile_oversized(gm, facts, self.store, self.memory, device_type)
+        gm, tile_ghosts = tiles.tile_oversized(
+            gm, facts, self.store, self.memory, device_type, self.expected_activations
+        )
         if tile_ghosts:
             example_inputs = [*example_inputs, *tile_ghosts]
             facts = graph_facts(gm, example_inputs)
@@ -255,10 +203,10 @@ class Engine:
             self.store.set_residents(wanted)
         self.replan()
 
-    def expect_activations(self, need: int) -> None:
-        """A ``generate`` about to start will hold ``need`` bytes in its KV cache at its last step: refuse
-        it now, before any weight is read, when they cannot fit beside the largest piece (before capture,
-        the largest unit a weight streams in); else plan for them from the start."""
+    def expect_activations(self, need: int, what: str) -> None:
+        """A ``generate`` about to start will hold ``need`` bytes of KV caches at its last step (``what``
+        says how): refuse it now, before any weight is read, when they cannot fit beside the largest piece
+        (before capture, the largest unit a weight streams in); else plan for them from the start."""
         budget = self.memory.budget
         if budget is None or need <= self._activations():
             return
@@ -270,8 +218,7 @@ class Engine:
             raise self.memory.too_small(
                 smallest,
                 need,
-                f"generate's KV cache reaches {format_bytes(need)} at its last token: ask for fewer new "
-                "tokens or a smaller batch, or pass a larger budget",
+                f"{what}: ask for fewer new tokens or a smaller batch, or pass a larger budget",
             )
         self.expected_activations = need
         if self.plan is not None:
@@ -296,6 +243,25 @@ class Engine:
                 return cohort.run(calls), cohort.group_sizes
             finally:
                 self.cohort = None
+
+    def micro_batches_for(self, cache: int, step: int, batch: int) -> int | None:
+        """Into how many micro-batches a ``generate`` of ``batch`` sequences must be split to fit, whose KV
+        cache reaches ``cache`` bytes and whose decode step holds ``step`` more (``micro_batches``: the
+        waiting ones hold their caches, a running one builds its next): the fewest, a power of two, or
+        None when even one sequence at a time cannot."""
+        budget = self.memory.budget
+        if budget is None or self.cohort is not None:
+            return None
+        largest = self._largest_piece() or max(
+            tiles.streaming_units(self.store, self.loader.device_type), default=0
+        )
+        count = 2
+        while count < 2 * batch:
+            size = -(-batch // count)
+            if self.memory.smallest_budget(largest, cache + -(-(cache + step) * size // batch)) <= budget:
+                return count
+            count *= 2
+        return None
 
     def _largest_piece(self) -> int:
         """Weight bytes of the largest piece of any graph captured so far (0 before capture)."""

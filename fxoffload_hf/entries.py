@@ -31,7 +31,7 @@ def wrap(
     if callable(generate):
         had_own = "generate" in model.__dict__
         undo.append(PatchedAttribute(model, "generate", had_own, model.__dict__.get("generate")))
-        setattr(model, "generate", counting_kv(model, generate, engine.expect_activations))  # noqa: B010
+        setattr(model, "generate", counting_kv(model, generate, engine))  # noqa: B010
 
 
 def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeights, undo: list[Undo]) -> None:

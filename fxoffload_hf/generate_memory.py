@@ -20,7 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxoffload_hf.kv_cache import cache_positions, predicted_cache_bytes
+from fxoffload_hf.engine import Engine
+from fxoffload_hf.kv_cache import cache_positions, predicted_cache_bytes, text_config
+from fxoffload_hf.memory_model import BudgetTooSmallError, format_bytes
+from fxoffload_hf.micro_batches import split_generate
 
 _CACHE_ARGUMENTS = {"cache", "past_key_values"}  # Transformers 5.25's name, and earlier versions'
 
@@ -42,34 +45,83 @@ def _decoder_with_cache(model: nn.Module) -> bool:
 def final_kv_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """Bytes of the KV cache at the end of ``model.generate(*args, **kwargs)``; 0 where not predicted
     (``kv_cache.predicted_cache_bytes`` reads the layer kinds)."""
-    if not _decoder_with_cache(model):
+    shape = _generate_shape(model, args, kwargs)
+    if shape is None:
         return 0
+    sequences, positions, itemsize = shape
+    return predicted_cache_bytes(model.config, sequences, positions, itemsize) or 0
+
+
+def decode_step_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Bytes a decode step of ``generate`` holds beside its KV caches, at most: the logits of each
+    sequence, and a few hidden and MLP states of its one position (0 where the cache is not predicted)."""
+    shape = _generate_shape(model, args, kwargs)
+    if shape is None:
+        return 0
+    sequences, _, itemsize = shape
+    text = text_config(model.config)
+    hidden = getattr(text, "hidden_size", 0) or 0
+    per_row = (getattr(text, "vocab_size", 0) or 0) + 3 * (
+        getattr(text, "intermediate_size", 0) or 4 * hidden
+    )
+    return sequences * (per_row + 8 * hidden) * itemsize
+
+
+def _generate_shape(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[int, int, int] | None:
+    """Sequences, final cache positions and weight itemsize of a ``generate`` call of a decoder with a
+    cache and token ids; None otherwise."""
+    if not _decoder_with_cache(model):
+        return None
     ids = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs"))
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-        return 0  # embeddings, or another modality's inputs: the length is not the prompt's
-    settings = copy.deepcopy(kwargs.get("generation_config") or getattr(model, "generation_config", None))
+        return None  # embeddings, or another modality's inputs: the length is not the prompt's
+    settings = generation_settings(model, kwargs)
     if settings is None:
-        return 0
-    settings.update(**{k: v for k, v in kwargs.items() if hasattr(settings, k)})
+        return None
     length = ids.shape[1]
     new = settings.max_new_tokens if settings.max_new_tokens is not None else settings.max_length - length
     sequences = ids.shape[0] * max(settings.num_beams or 1, settings.num_return_sequences or 1)
     itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
     # the last new token is returned, never fed back: the cache holds one position fewer than the output
-    positions = length + max(new, 1) - 1
-    return predicted_cache_bytes(model.config, sequences, positions, itemsize) or 0
+    return sequences, length + max(new, 1) - 1, itemsize
 
 
-def counting_kv(
-    model: nn.Module, generate: Callable[..., Any], expect: Callable[[int], None]
-) -> Callable[..., Any]:
-    """``generate`` that first tells ``expect`` the bytes its KV cache will reach (when predicted)."""
+def generation_settings(model: nn.Module, kwargs: dict[str, Any]) -> Any:
+    """The generation config a ``generate(**kwargs)`` call runs with (the model's, updated by the call's
+    keywords), or None."""
+    settings = copy.deepcopy(kwargs.get("generation_config") or getattr(model, "generation_config", None))
+    if settings is not None:
+        settings.update(**{k: v for k, v in kwargs.items() if hasattr(settings, k)})
+    return settings
+
+
+def counting_kv(model: nn.Module, generate: Callable[..., Any], engine: Engine) -> Callable[..., Any]:
+    """``generate`` that first tells the engine the bytes its KV cache will reach (when predicted); a batch
+    whose cache cannot fit whole runs in micro-batches where they fit (``micro_batches``), and one refused
+    during its run for its activations is run again so."""
 
     @functools.wraps(generate)
     def run(*args: Any, **kwargs: Any) -> Any:
-        need = final_kv_bytes(model, args, kwargs)
-        if need:
-            expect(need)
-        return generate(*args, **kwargs)
+        cache = final_kv_bytes(model, args, kwargs)
+        if not cache:
+            return generate(*args, **kwargs)
+        # the last decode step holds the cache it is passed, the one it builds and its own states
+        need = 2 * cache + decode_step_bytes(model, args, kwargs)
+        what = f"generate's KV cache reaches {format_bytes(cache)} at its last token, held twice by a decode step"
+        try:
+            engine.expect_activations(need, what)
+            return generate(*args, **kwargs)
+        except BudgetTooSmallError:
+            # refused before the first token, or (where the prediction was short of a capture's
+            # measure) at a later step: the whole call again in micro-batches, where they fit
+            settings = generation_settings(model, kwargs)
+            split = None
+            if engine.cohort is None:
+                split = split_generate(engine, generate, args, kwargs, settings, cache, need - 2 * cache)
+            if split is None:
+                raise
+            return split
 
     return run

@@ -138,17 +138,23 @@ def tile_ranges(rows: int, per_tile: int) -> list[tuple[int, int]]:
 
 
 def tile_oversized(
-    gm: fx.GraphModule, facts: GraphFacts, store: WeightStore, memory: MemoryModel, device_type: str
+    gm: fx.GraphModule,
+    facts: GraphFacts,
+    store: WeightStore,
+    memory: MemoryModel,
+    device_type: str,
+    expected: int = 0,
 ) -> tuple[fx.GraphModule, list[torch.nn.Parameter]]:
     """Split each weight of ``gm`` that cannot stream beside another piece to ``device_type`` into tiles
     of rows: the graph rewritten (a copy, or ``gm`` itself when nothing is split), and a ghost for each
-    tile's new placeholder, in their order.
+    tile's new placeholder, in their order. ``expected``: activations later calls will hold, where more than
+    this capture's (a generate's KV caches at its last token).
 
     Raises:
         BudgetTooSmallError: such a weight cannot fit even alone and a use of it cannot be tiled, or not
             even two of its smallest tiles fit beside the activations.
     """
-    room = memory.room(facts.activation_bytes)
+    room = memory.room(max(facts.activation_bytes, expected))
     if room is None:
         return gm, []
     records = store.records
@@ -168,6 +174,7 @@ def tile_oversized(
         (tileable if len(shape) == 2 and blocking_use(node) is None else whole).append(node)
     # tiles hold one more output of their projection while they compute: the room is what is left
     activations = _activations_when_tiled(gm, facts, tileable, op) if tileable else facts.activation_bytes
+    activations = max(activations, expected)
     room = memory.budget - memory.fixed_bytes - activations  # type: ignore[operator]
     todo, short = [], []  # short: (the budget it needs, why)
     for node in whole:

@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 
 import fxoffload_hf
-from fxoffload_hf.generate_memory import final_kv_bytes, predictable_cache
+from fxoffload_hf.generate_memory import decode_step_bytes, final_kv_bytes, predictable_cache
 from fxoffload_hf.memory_model import BudgetTooSmallError
 
 BUDGET = 1_300_000  # the tiny Llama in several pieces, with room for a short generate's cache
@@ -105,4 +105,5 @@ def test_a_cache_that_cannot_fit_is_refused_before_any_weight_is_read(offloaded)
     with torch.no_grad():
         got = model.generate(ids, max_new_tokens=6, **GREEDY)
         assert torch.equal(got, eager.generate(ids, max_new_tokens=6, **GREEDY))
-    assert engine.expected_activations == final_kv_bytes(model, (ids,), {"max_new_tokens": 6})
+    call = (ids,), {"max_new_tokens": 6}
+    assert engine.expected_activations == 2 * final_kv_bytes(model, *call) + decode_step_bytes(model, *call)

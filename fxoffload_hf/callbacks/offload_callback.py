@@ -32,7 +32,7 @@ import fxoffload_hf
 from fxoffload_hf.callbacks.predict_blocks import PredictInBlocks
 from fxoffload_hf.capture import handle_of
 from fxoffload_hf.config import CAPTURE_MODES, POLICIES, BudgetSpec, parse_budget
-from fxoffload_hf.engine import Stats
+from fxoffload_hf.stats import Stats
 
 _IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 _STAGES = ("predict", "test", "validate")
