@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from harness import disk, model, report, rounds, targets
-from harness.cgroup import MemoryCgroup, cgroups_writable
-from harness.children import ChildRun, limited_row, run_child, summarize
+from harness.cgroup import cgroups_writable
+from harness.children import mode_row, run_child
 from harness.protocol import emit, phase
 from harness.sampling import MemoryMarks, import_baseline
 
@@ -213,13 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         disk.drop_caches()
         log, argv = logs / f"blocks-{key}-{index}.log", ["--child", key, *child_argv(args, budget)]
-        if bound is None:
-            return summarize(run_child(SCRIPT, argv, args.timeout, log, None, args.wait_idle))
-
-        def limited(group: MemoryCgroup) -> ChildRun:
-            return run_child(SCRIPT, argv, args.timeout, log, group, args.wait_idle)
-
-        return limited_row(f"fxoffload-bench-{key}", bound, limited)
+        return mode_row(SCRIPT, argv, log, args.timeout, args.wait_idle, bound, f"fxoffload-bench-{key}")
 
     for key, runs in rounds.interleave(list(modes), args.rounds, run).items():
         out["runs"][key] = rounds.median_run(runs, key=RATE)

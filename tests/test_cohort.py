@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fxoffload_hf
+from fxoffload_hf.runner import GraphRunner
 
 LENGTHS = (5, 9, 7)
 
@@ -132,3 +133,29 @@ def test_blocks_do_not_nest_and_other_threads_wait(offloaded):
         fxoffload_hf.run_as_block(model, [member])
     outside.join()
     assert order == ["member", "outside"]
+
+
+def test_an_interrupt_while_a_block_runs_ends_every_call_and_frees_the_model(offloaded, monkeypatch):
+    eager, model = offloaded
+    prompts = _prompts()
+    engine = fxoffload_hf.engine_of(model)
+    with torch.no_grad():
+        model(input_ids=prompts[0])  # captured and profiled: the block's calls then run together
+        real = GraphRunner.run_block
+
+        def interrupted(self, calls):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(GraphRunner, "run_block", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            fxoffload_hf.run_as_block(model, [lambda ids=ids: model(input_ids=ids) for ids in prompts])
+        monkeypatch.setattr(GraphRunner, "run_block", real)
+        assert engine.cohort is None
+        took: list[bool] = []
+        other = threading.Thread(
+            target=lambda: took.append(engine.lock.acquire(timeout=5)) or engine.lock.release()
+        )
+        other.start()
+        other.join()
+        assert took == [True]
+        assert torch.equal(model(input_ids=prompts[1]).logits, eager(input_ids=prompts[1]).logits)

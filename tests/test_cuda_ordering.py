@@ -260,6 +260,7 @@ def run_offloaded(
     distance: int | None = None,
     inline: bool = False,
     records: dict[str, WeightRecord] | None = None,
+    runner_cls: type[GraphRunner] = GraphRunner,
 ) -> Run:
     """``CALLS`` calls of the captured model through ``loader_cls`` and the fake, as ``Engine`` runs a
     graph (loads ``distance`` ahead if given, on the calling thread if ``inline``, of ``records`` if given
@@ -289,7 +290,7 @@ def run_offloaded(
     if records is None:
         staged_sides = [load.side for load in schedule.loads if load is not None and load.staged]
         assert staged_sides.count(0) >= 2 and 1 in staged_sides, "the arena's two sides must both be reused"
-    cap.run[0] = GraphRunner(cap.program, loader, schedule, 0)
+    cap.run[0] = runner_cls(cap.program, loader, schedule, 0)
     outputs = []
     try:
         with torch.no_grad():
@@ -341,6 +342,26 @@ def test_loads_from_host_memory_are_queued_by_the_calling_thread(
     ops = checked(run, captured, InlineReader)
     for seq in range(1, ops.events + 1):
         assert ops.ops(seq) == [("copy_in", True), ("order_after", True)]
+
+
+class RunsInBlocksOfThree(GraphRunner):
+    """Each call run as a block of three (``run_block``), as ``cohort`` runs calls waiting at a graph."""
+
+    def __call__(self, *args: Any) -> Any:
+        first, *others = self.run_block([args, args, args])
+        leaves = torch.utils._pytree.tree_leaves(first)
+        for other in others:  # each call of the block computes what the first does
+            assert all(
+                torch.equal(a, b) for a, b in zip(leaves, torch.utils._pytree.tree_leaves(other), strict=True)
+            )
+        return first
+
+
+def test_a_block_loads_each_piece_once_and_orders_every_copy(captured: Captured) -> None:
+    """Three calls run as one block: one copy event per load (not three), each ordered before the
+    compute of every call that reads it, eager's results for every call."""
+    run = run_offloaded(captured, runner_cls=RunsInBlocksOfThree)
+    checked(run, captured, ThreadedReader)
 
 
 class ForgetsReleasedLoads(CudaLoader):

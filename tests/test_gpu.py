@@ -353,3 +353,24 @@ def test_deferred_calls_gather_embedding_rows_on_the_host(tmp_path, checkpoint_c
         assert engine.store.records["model.embed_tokens.weight"].tier is not Tier.DEVICE
     finally:
         fxoffload_hf.restore(model)
+
+
+def test_a_block_of_generates_on_the_gpu_equals_the_calls_one_by_one(build_model, weight_bytes):
+    """Three prompts as one block (``run_as_block``): each graph run loads its pieces once for all of them,
+    and each prompt's tokens equal those of the same call made alone through the offloaded model."""
+    model = build_model("llama")
+    fxoffload_hf.offload(model, gpu_memory=int(weight_bytes(model) * 0.5), device="cuda")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 1000, (1, n), generator=gen).cuda() for n in (5, 11, 7)]
+    greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    try:
+        alone = [model.generate(ids, **greedy) for ids in prompts]
+        engine = fxoffload_hf.engine_of(model)
+        together, groups = engine.run_together(
+            [lambda ids=ids: model.generate(ids, **greedy) for ids in prompts]
+        )
+        for a, b in zip(together, alone, strict=True):
+            assert torch.equal(a, b)
+        assert max(groups) == 3
+    finally:
+        fxoffload_hf.restore(model)

@@ -145,3 +145,13 @@ def limited_row(name: str, limit: int, run: Callable[[MemoryCgroup], ChildRun]) 
     if row["cgroup"].get("oom_kills") and done.returncode == -signal.SIGKILL:
         row["status"] = row["status"].replace(f"failed (rc={done.returncode})", "OOM-killed")
     return row
+
+
+def mode_row(
+    script: Path, argv: list[str], log: Path, timeout: float, wait_idle: float, limit: int | None, group: str
+) -> dict[str, Any]:
+    """One run of a mode as a row: ``script`` with ``argv`` as a child, in a fresh cgroup ``group`` with a
+    hard ``limit`` when one is given."""
+    if limit is None:
+        return summarize(run_child(script, argv, timeout, log, None, wait_idle))
+    return limited_row(group, limit, lambda cgroup: run_child(script, argv, timeout, log, cgroup, wait_idle))
