@@ -4,6 +4,7 @@ By default a tiny random-init Llama is built, so the example runs anywhere in se
 
     python examples/lightning_predict.py
     python examples/lightning_predict.py --precision bf16-true --gpu-memory 600KB
+    python examples/lightning_predict.py --cpu-memory 1MB --batches-per-block 4  # 4 batches per weight read
     python examples/lightning_predict.py --devices 2 --strategy ddp     # two processes on the CPU
     python examples/lightning_predict.py --model path/to/checkpoint --accelerator gpu --gpu-memory 8GiB
 
@@ -88,6 +89,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu-memory", help="host RAM for weights; the rest goes to --offload-folder")
     parser.add_argument("--offload-folder")
     parser.add_argument("--policy", default="auto", choices=("auto", "sequential"))
+    parser.add_argument(
+        "--batches-per-block",
+        type=int,
+        default=1,
+        help="predict this many batches as one block: each weight streamed once for all of them",
+    )
     parser.add_argument("--no-offload", action="store_true", help="run without the callback, for comparison")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=1)
@@ -110,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             offload_folder=args.offload_folder,
             target="model",
             policy=args.policy,
+            batches_per_block=args.batches_per_block,
         )
         callbacks.append(callback)
     trainer = pl.Trainer(

@@ -191,11 +191,17 @@ def tile_oversized(
         shape, itemsize = record.shape, record.dtype.itemsize
         # two tiles in flight in the room, else tiles that stream alone
         per_tile = rows_per_tile(shape, itemsize, room // 4) or rows_per_tile(shape, itemsize, room // 2)
+        if not per_tile and sizes[node] <= room:
+            continue  # its fewest rows, held twice, take more than it whole: it streams whole, alone
         todo.append((node, record, per_tile))
         if not per_tile:
             unit = smallest_unit(record, device_type)
             held = " with its copy" if on_cpu else ""
-            why = f"not even the smallest tile of rows of {record.name} ({format_bytes(unit)}{held}) fits"
+            why = (
+                f"not even {record.name} alone ({format_bytes(unit)}) fits"
+                if unit >= record.footprint
+                else f"not even the smallest tile of rows of {record.name} ({format_bytes(unit)}{held}) fits"
+            )
             short.append((memory.smallest_budget(unit, activations), why))
     if short:
         smallest, why = max(short)

@@ -340,12 +340,15 @@ def reference(build_model):
     return last_logits
 
 
-def test_example_runs_on_a_tiny_model(tmp_path, reference):
+@pytest.mark.parametrize("block, runs", [(1, 4), (2, 3)])
+def test_example_runs_on_a_tiny_model(tmp_path, reference, block, runs):
     args = ["--cpu-memory", "2MB", "--policy", "sequential", "--offload-folder", str(tmp_path / "off")]
-    proc = _run_example([*args, "--save-dir", str(tmp_path)])
+    proc = _run_example([*args, "--batches-per-block", str(block), "--save-dir", str(tmp_path)])
     assert proc.stdout.count("next token") == 8
     stats = json.loads((tmp_path / "stats-rank0.json").read_text())
     assert stats["bytes_streamed"] > 0 and stats["calls"] == 4
+    # in blocks of two: the first batch is captured alone, the second waits for the next run
+    assert stats["graph_runs"] == runs
     saved = torch.load(tmp_path / "predictions-rank0.pt")
     assert torch.equal(saved["logits"], reference(saved["ids"]))
 
