@@ -10,7 +10,6 @@ sequential reads. Compare figures only within one run on an otherwise idle machi
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import sys
@@ -21,7 +20,7 @@ from typing import Any
 
 from harness import disk, engine, measure, model, report, rounds, targets
 from harness.cgroup import MemoryCgroup, cgroups_writable
-from harness.children import ChildRun, limited_row, run_child, summarize
+from harness.children import ChildRun, build_once, limited_row, run_child, summarize
 from harness.cpu import wait_for_idle
 from harness.protocol import emit, phase
 from harness.sampling import MemoryMarks, import_baseline
@@ -179,15 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     args.wall = time.perf_counter()
     logs = args.out.parent / "logs"
     config = model.llama_config(args.size_gb, vocab=args.vocab)
-    if not model.model_is_cached(args.model_dir, config):
-        print(f"building the model in {args.model_dir} ...", flush=True)
-        args.model_dir.parent.mkdir(parents=True, exist_ok=True)
-        argv_build = ["--child", "build", "--model-dir", str(args.model_dir), "--size-gb", str(args.size_gb)]
-        argv_build += ["--vocab", str(args.vocab)]
-        built = run_child(SCRIPT, argv_build, 1800, logs / "build.log")
-        if built.returncode != 0:
-            print(f"building the model failed:\n{built.log_tail()}", file=sys.stderr)
-            return 1
+    if not build_once(
+        SCRIPT,
+        args.model_dir,
+        config,
+        ["--size-gb", str(args.size_gb), "--vocab", str(args.vocab)],
+        logs / "build.log",
+    ):
+        return 1
     facts = model.checkpoint_facts(args.model_dir)
     total = facts["checkpoint_bytes"]
     budget = int(total * args.budget_share)
@@ -205,10 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     child_args = ["--model-dir", str(args.model_dir), "--budget", str(budget)]
     child_args += ["--new-tokens", str(args.new_tokens)]
     out: dict[str, Any] = {
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": [sys.executable, *sys.argv],
-        "machine": report.machine(),
-        "model": {"class": "LlamaForCausalLM", "config": config, "seed": model.SEED, **facts},
+        **report.header(config, facts, model.SEED),
         "settings": {
             "budget_bytes": budget,
             "budget_share": args.budget_share,

@@ -13,7 +13,6 @@ over one block captures the graph, the second (timed) covers all batches. Compar
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from typing import Any
 
 from harness import disk, model, report, rounds, targets
 from harness.cgroup import cgroups_writable
-from harness.children import mode_row, run_child
+from harness.children import build_once, mode_row, run_child
 from harness.protocol import emit, phase
 from harness.sampling import MemoryMarks, import_baseline
 
@@ -166,14 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     wall, logs = time.perf_counter(), args.out.parent / "logs"
-    if not model.model_is_cached(args.model_dir, config):
-        print(f"building the model in {args.model_dir} ...", flush=True)
-        args.model_dir.parent.mkdir(parents=True, exist_ok=True)
-        build = ["--child", "build", "--model-dir", str(args.model_dir), "--size-gb", str(args.size_gb)]
-        built = run_child(SCRIPT, [*build, "--vocab", str(args.vocab)], 1800, logs / "blocks-build.log")
-        if built.returncode != 0:
-            print(f"building the model failed:\n{built.log_tail()}", file=sys.stderr)
-            return 1
+    if not build_once(
+        SCRIPT,
+        args.model_dir,
+        config,
+        ["--size-gb", str(args.size_gb), "--vocab", str(args.vocab)],
+        logs / "blocks-build.log",
+    ):
+        return 1
     facts = model.checkpoint_facts(args.model_dir)
     budget = int(facts["checkpoint_bytes"] * args.budget_share)
     print(f"model: LlamaForCausalLM {json.dumps(config)}")
@@ -184,10 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     out: dict[str, Any] = {
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": [sys.executable, *sys.argv],
-        "machine": report.machine(),
-        "model": {"class": "LlamaForCausalLM", "config": config, "seed": model.SEED, **facts},
+        **report.header(config, facts, model.SEED),
         "settings": {"budget_bytes": budget, "budget_share": args.budget_share, "batches": args.batches},
         "runs": {},
     }

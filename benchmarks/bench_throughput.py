@@ -15,7 +15,6 @@ generate (prefill included, load excluded), in a second pass over the same promp
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
 import sys
@@ -27,7 +26,7 @@ from typing import Any
 
 from harness import disk, engine, measure, model, report, rounds, targets
 from harness.cgroup import cgroups_writable
-from harness.children import mode_row, run_child
+from harness.children import build_once, mode_row, run_child
 from harness.cpu import BUSY_WARNING
 from harness.protocol import emit, phase
 from harness.sampling import MemoryMarks, import_baseline
@@ -280,14 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     wall, logs = time.perf_counter(), args.out.parent / "logs"
-    if not model.model_is_cached(args.model_dir, config):
-        print(f"building the model in {args.model_dir} ...", flush=True)
-        args.model_dir.parent.mkdir(parents=True, exist_ok=True)
-        build = ["--child", "build", "--model-dir", str(args.model_dir), "--size-gb", str(args.size_gb)]
-        built = run_child(SCRIPT, build, 1800, logs / "throughput-build.log")
-        if built.returncode != 0:
-            print(f"building the model failed:\n{built.log_tail()}", file=sys.stderr)
-            return 1
+    if not build_once(
+        SCRIPT, args.model_dir, config, ["--size-gb", str(args.size_gb)], logs / "throughput-build.log"
+    ):
+        return 1
     facts = model.checkpoint_facts(args.model_dir)
     budget = int(facts["checkpoint_bytes"] * args.budget_share)
     kv = model.kv_cache_bytes(config, args.prompts, args.longest + args.new_tokens)
@@ -299,10 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     out: dict[str, Any] = {
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": [sys.executable, *sys.argv],
-        "machine": report.machine(),
-        "model": {"class": "LlamaForCausalLM", "config": config, "seed": model.SEED, **facts},
+        **report.header(config, facts, model.SEED),
         "settings": {
             "budget_bytes": budget,
             "budget_share": args.budget_share,

@@ -155,3 +155,19 @@ def mode_row(
     if limit is None:
         return summarize(run_child(script, argv, timeout, log, None, wait_idle))
     return limited_row(group, limit, lambda cgroup: run_child(script, argv, timeout, log, cgroup, wait_idle))
+
+
+def build_once(script: Path, model_dir: Path, config: dict[str, Any], argv: list[str], log: Path) -> bool:
+    """Have ``script`` build the benchmark's model in ``model_dir`` (a child ``--child build`` with
+    ``argv``) unless a copy of ``config`` is there; False, with the child's log printed, if it failed."""
+    from harness.model import model_is_cached
+
+    if model_is_cached(model_dir, config):
+        return True
+    print(f"building the model in {model_dir} ...", flush=True)
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    built = run_child(script, ["--child", "build", "--model-dir", str(model_dir), *argv], 1800, log)
+    if built.returncode != 0:
+        print(f"building the model failed:\n{built.log_tail()}", file=sys.stderr)
+        return False
+    return True

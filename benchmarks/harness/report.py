@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import importlib.metadata
 import json
 import os
 import platform
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -139,3 +141,13 @@ def write_json(path: Path, report: dict[str, Any]) -> None:
     """Write ``report`` to ``path`` (folders made as needed), indented."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def header(config: dict[str, Any], facts: dict[str, Any], seed: int) -> dict[str, Any]:
+    """What every benchmark's JSON report opens with: when, how it was run, where, and the model."""
+    return {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": [sys.executable, *sys.argv],
+        "machine": machine(),
+        "model": {"class": "LlamaForCausalLM", "config": config, "seed": seed, **facts},
+    }
