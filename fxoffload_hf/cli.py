@@ -7,6 +7,7 @@ budget too small).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -196,11 +197,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         device=args.device,
         capture=args.capture,
     )
-    inputs = tokenizer(args.prompt, return_tensors="pt")
-    streamer = transformers.TextStreamer(tokenizer, skip_prompt=False)
+    prompts = [tokenizer(prompt, return_tensors="pt") for prompt in args.prompt]
+    greedy = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     start = time.perf_counter()
     with torch.no_grad(), record_timeline(model) as events:
-        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer)
+        if len(prompts) == 1:
+            streamer = transformers.TextStreamer(tokenizer, skip_prompt=False)
+            outputs = [model.generate(**prompts[0], **greedy, streamer=streamer)]
+        else:  # one block: each weight streamed once per step for all prompts, each prompt as if alone
+            calls = [functools.partial(model.generate, **inputs, **greedy) for inputs in prompts]
+            outputs = fxoffload_hf.run_as_block(model, calls)
+            for out in outputs:
+                print(tokenizer.decode(out[0], skip_special_tokens=True), end="\n\n")
     seconds = time.perf_counter() - start
     if args.timeline:
         print(f"timeline: {plot_timeline(events, args.timeline)}", file=sys.stderr)
@@ -209,7 +217,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"trace: {write_chrome_trace(events, args.trace)} (open in https://ui.perfetto.dev)",
             file=sys.stderr,
         )
-    new = out.shape[-1] - inputs["input_ids"].shape[-1]
+    new = sum(
+        out.shape[-1] - inputs["input_ids"].shape[-1] for out, inputs in zip(outputs, prompts, strict=True)
+    )
     if not args.quiet:
         print(f"\n[{new} tokens in {seconds:.2f} s, {new / seconds:.2f} tokens/s]", file=sys.stderr)
     return EXIT_OK
@@ -236,12 +246,18 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="generate with a random ~1 GB Llama under a 25%% CPU budget, beside eager"
     )
     demo.add_argument("--size", type=float, default=1.0, help="checkpoint size in GB (default 1)")
-    demo.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral"])
-    demo.add_argument("--gpu-memory", default=None)
+    demo.add_argument(
+        "--arch", default="llama", choices=["llama", "qwen2", "mistral"], help="architecture (default llama)"
+    )
+    demo.add_argument(
+        "--gpu-memory",
+        default=None,
+        help="GPU budget for the plan the demo prints (the demo runs on the CPU)",
+    )
     demo.add_argument(
         "--cpu-memory", default="25%", help="bytes, a size, or a share of the model (default 25%%)"
     )
-    demo.add_argument("--max-new-tokens", type=int, default=16)
+    demo.add_argument("--max-new-tokens", type=int, default=16, help="greedy new tokens (default 16)")
     demo.set_defaults(func=cmd_demo)
 
     plan = sub.add_parser(
@@ -279,11 +295,23 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=cmd_plan)
 
     gen = sub.add_parser("generate", help="generate text from a local checkpoint, streaming tokens")
-    gen.add_argument("model_dir")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--gpu-memory", default=None)
-    gen.add_argument("--cpu-memory", default=None)
+    gen.add_argument("model_dir", help="checkpoint folder with its tokenizer")
+    gen.add_argument(
+        "--prompt",
+        required=True,
+        action="append",
+        help="text to continue; repeat it for several prompts, run as one block (each weight read once per "
+        "step for all; each prompt's tokens as if it ran alone)",
+    )
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="greedy new tokens (default 64)")
+    gen.add_argument(
+        "--gpu-memory", default=None, help="GPU budget: bytes, a size ('8GiB') or a share of free ('80%%')"
+    )
+    gen.add_argument(
+        "--cpu-memory",
+        default=None,
+        help="host memory for weights: bytes, a size or a share; the rest on disk",
+    )
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     gen.add_argument(
         "--capture",

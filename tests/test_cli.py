@@ -116,6 +116,21 @@ def test_generate_streams_tokens_and_draws_the_timeline(checkpoint, tmp_path):
     assert names == {"copy", "compute"}
 
 
+def test_generate_runs_several_prompts_as_one_block_each_as_if_alone(checkpoint):
+    save_tokenizer(checkpoint)
+    common = ["--max-new-tokens", "5", "--cpu-memory", "1500000", "--device", "cpu"]
+    alone = [
+        run("--quiet", "generate", str(checkpoint), "--prompt", p, *common) for p in ("w5 w9 w77", "w3 w4")
+    ]
+    together = run(
+        "--quiet", "generate", str(checkpoint), "--prompt", "w5 w9 w77", "--prompt", "w3 w4", *common
+    )
+    assert together.returncode == 0, together.stderr
+    texts = [done.stdout.strip() for done in alone]
+    assert [len(t.split()) for t in texts] == [3 + 5, 2 + 5]  # each prompt and its five new words
+    assert together.stdout.split("\n\n")[:2] == texts
+
+
 def test_generate_without_tokenizer_says_so(llama_ckpt, command):
     folder, _eager = llama_ckpt
     done = command("generate", str(folder), "--prompt", "hi", "--device", "cpu")
