@@ -203,11 +203,14 @@ class Engine:
             self.store.set_residents(wanted)
         self.replan()
 
-    def expect_activations(self, need: int, what: str) -> None:
+    def expect_activations(self, need: int, what: str, instead: bool = False) -> None:
         """A ``generate`` about to start will hold ``need`` bytes of KV caches at its last step (``what``
         says how): refuse it now, before any weight is read, when they cannot fit beside the largest piece
-        (before capture, the largest unit a weight streams in); else plan for them from the start."""
+        (before capture, the largest unit a weight streams in); else plan for them from the start.
+        ``instead``: this replaces the expectation of a call that was given up (it may be lower)."""
         budget = self.memory.budget
+        if instead:
+            self.expected_activations = 0
         if budget is None or need <= self._activations():
             return
         largest = self._largest_piece() or max(

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from fxoffload_hf.engine import Engine
-from fxoffload_hf.memory_model import format_bytes
+from fxoffload_hf.memory_model import BudgetTooSmallError, format_bytes
+from fxoffload_hf.progress import report
 
 
 def split_generate(
@@ -33,8 +34,9 @@ def split_generate(
 ) -> Any | None:
     """``generate(*args, **kwargs)`` in micro-batches, or None where it cannot be split (the caller then
     refuses it as before). ``cache``: the batch's KV cache at its last token; ``step``: what a decode step
-    of the whole batch holds beside its caches. Not split: a batch of one, a cache that cannot fit even in micro-batches of one, or
-    outputs this cannot merge (``return_dict_in_generate``, a streamer)."""
+    of the whole batch holds beside its caches. Not split: a batch of one, a cache that cannot fit even in
+    micro-batches of one, or outputs this cannot merge (``return_dict_in_generate``, a streamer). Where
+    capture refuses the micro-batches chosen, smaller ones are tried, down to one sequence each."""
     ids = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs"))
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return None
@@ -45,21 +47,46 @@ def split_generate(
     if count is None:
         return None
     size = -(-batch // count)
-    parts = [slice(start, start + size) for start in range(0, batch, size)]
     warnings.warn(
         f"generate: the KV cache of {batch} sequences ({format_bytes(cache)} at the last token) cannot fit the "
-        f"budget whole; running the batch as {len(parts)} micro-batches of up to {size} in one block. Each "
-        "micro-batch's tokens are eager's for that micro-batch; the whole batch's may differ at near-ties",
+        f"budget whole; running the batch as {-(-batch // size)} micro-batches of up to {size} in one block. "
+        "Each micro-batch's tokens are eager's for that micro-batch; the whole batch's may differ at near-ties",
         stacklevel=4,
     )
-    need = cache + -(-(cache + step) * size // batch)
-    what = f"generate's KV caches reach {format_bytes(need)} at the last token of a micro-batch of {size}"
-    engine.expect_activations(need, what)
-    calls = [functools.partial(_sliced_call, generate, args, kwargs, batch, part) for part in parts]
-    outputs, _ = engine.run_together(calls)
+    while True:
+        try:
+            outputs = _in_micro_batches(engine, generate, args, kwargs, batch, size, cache, step)
+            break
+        except BudgetTooSmallError:
+            # the count was chosen before capture, from the weights' smallest units; capture knows which
+            # weights cannot be tiled: smaller micro-batches, down to one sequence each
+            if size == 1:
+                raise
+            size = -(-size // 2)
+            report("generate: micro-batches do not fit; trying micro-batches of %d", size)
     pad = settings.pad_token_id if settings.pad_token_id is not None else settings.eos_token_id
     pad = pad[0] if isinstance(pad, list | tuple) else pad
     return _stacked(outputs, pad)
+
+
+def _in_micro_batches(
+    engine: Engine,
+    generate: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    batch: int,
+    size: int,
+    cache: int,
+    step: int,
+) -> list[Any]:
+    """The call's batch in micro-batches of ``size`` as one block: the caches of all (``cache``, the whole
+    batch's) beside what the running ones build and hold at a decode step (``step`` for the batch)."""
+    need = cache + -(-(cache + step) * size // batch)
+    what = f"generate's KV caches reach {format_bytes(need)} at the last token of a micro-batch of {size}"
+    engine.expect_activations(need, what, instead=True)
+    parts = [slice(start, start + size) for start in range(0, batch, size)]
+    calls = [functools.partial(_sliced_call, generate, args, kwargs, batch, part) for part in parts]
+    return engine.run_together(calls)[0]
 
 
 def _sliced_call(

@@ -16,9 +16,13 @@ LENGTHS = (3, 9, 6, 12, 5, 7, 11, 4)
 GREEDY = dict(max_new_tokens=40, do_sample=False, pad_token_id=0)
 
 
-@pytest.mark.parametrize("arch, share, parts", [("llama", 0.5, 2), ("llama", 0.4, 4), ("gpt2", 0.65, 4)])
+# GPT-2 at 70%: the count chosen before capture (2) is refused by capture (its Conv1D weights cannot be
+# tiled), and smaller micro-batches are tried
+@pytest.mark.parametrize(
+    "arch, share, parts", [("llama", 0.5, 2), ("llama", 0.4, 4), ("gpt2", 0.65, 4), ("gpt2", 0.7, 4)]
+)
 def test_a_batch_too_large_for_the_budget_runs_in_micro_batches(
-    arch, share, parts, build_model, weight_bytes
+    arch, share, parts, build_model, weight_bytes, caplog
 ):
     eager = build_model(arch)
     ids, mask = left_padded(LENGTHS, seed=1)
@@ -28,8 +32,10 @@ def test_a_batch_too_large_for_the_budget_runs_in_micro_batches(
         with pytest.warns(UserWarning, match="micro-batches") as warned:
             got = model.generate(ids, attention_mask=mask, **GREEDY)
         message = next(str(w.message) for w in warned if "micro-batches" in str(w.message))
-        count, size = (int(n) for n in re.search(r"as (\d+) micro-batches of up to (\d+)", message).groups())
-        assert count == parts
+        size = int(re.search(r"micro-batches of up to (\d+)", message).group(1))
+        retries = re.findall(r"trying micro-batches of (\d+)", caplog.text)
+        size = int(retries[-1]) if retries else size
+        assert -(-len(LENGTHS) // size) == parts
         pieces = [
             eager.generate(ids[i : i + size], attention_mask=mask[i : i + size], **GREEDY)
             for i in range(0, len(LENGTHS), size)
