@@ -213,10 +213,7 @@ class Engine:
             self.expected_activations = 0
         if budget is None or need <= self._activations():
             return
-        largest = self._largest_piece() or max(
-            tiles.streaming_units(self.store, self.loader.device_type), default=0
-        )
-        smallest = self.memory.smallest_budget(largest, need)
+        smallest = self.memory.smallest_budget(self._largest_unit(), need)
         if smallest > budget:
             raise self.memory.too_small(
                 smallest,
@@ -228,9 +225,9 @@ class Engine:
             self.replan()
 
     def fits_activations(self, need: int) -> bool:
-        """Whether ``need`` bytes of activations fit the budget beside the largest piece."""
+        """Whether ``need`` bytes of activations fit the budget beside the largest piece (``_largest_unit``)."""
         budget = self.memory.budget
-        return budget is None or self.memory.smallest_budget(self._largest_piece(), need) <= budget
+        return budget is None or self.memory.smallest_budget(self._largest_unit(), need) <= budget
 
     def run_together(
         self, calls: Sequence[Callable[[], T]], member_state: Sequence[tuple[object, str]] = ()
@@ -247,28 +244,15 @@ class Engine:
             finally:
                 self.cohort = None
 
-    def micro_batches_for(self, cache: int, step: int, batch: int) -> int | None:
-        """Into how many micro-batches a ``generate`` of ``batch`` sequences must be split to fit, whose KV
-        cache reaches ``cache`` bytes and whose decode step holds ``step`` more (``micro_batches``: the
-        waiting ones hold their caches, a running one builds its next): the fewest, a power of two, or
-        None when even one sequence at a time cannot."""
-        budget = self.memory.budget
-        if budget is None or self.cohort is not None:
-            return None
-        largest = self._largest_piece() or max(
-            tiles.streaming_units(self.store, self.loader.device_type), default=0
-        )
-        count = 2
-        while count < 2 * batch:
-            size = -(-batch // count)
-            if self.memory.smallest_budget(largest, cache + -(-(cache + step) * size // batch)) <= budget:
-                return count
-            count *= 2
-        return None
-
     def _largest_piece(self) -> int:
         """Weight bytes of the largest piece of any graph captured so far (0 before capture)."""
         return max((p.weight_bytes for part in self.partitions for p in part.pieces), default=0)
+
+    def _largest_unit(self) -> int:
+        """The largest piece; before capture, the largest unit a weight streams in (``tiles``)."""
+        return self._largest_piece() or max(
+            tiles.streaming_units(self.store, self.loader.device_type), default=0
+        )
 
     def _activations(self) -> int:
         """What the plan leaves room for: the largest graph's activations, or a generate's final KV cache."""

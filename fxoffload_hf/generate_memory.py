@@ -15,6 +15,7 @@ import copy
 import functools
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,53 +43,63 @@ def _decoder_with_cache(model: nn.Module) -> bool:
     return config is not None and not getattr(config, "is_encoder_decoder", False)
 
 
-def final_kv_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """Bytes of the KV cache at the end of ``model.generate(*args, **kwargs)``; 0 where not predicted
-    (``kv_cache.predicted_cache_bytes`` reads the layer kinds)."""
-    shape = _generate_shape(model, args, kwargs)
-    if shape is None:
-        return 0
-    sequences, positions, itemsize = shape
-    return predicted_cache_bytes(model.config, sequences, positions, itemsize) or 0
+@dataclass(frozen=True)
+class GenerateCall:
+    """What a ``generate`` call's memory depends on, read once from its arguments."""
+
+    batch: int  # prompts
+    sequences: int  # prompts x beams (or returned sequences)
+    positions: int  # in the cache at the last token
+    itemsize: int  # of the weights (and so of the cache)
+    settings: Any  # the generation config the call runs with
 
 
-def decode_step_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """Bytes a decode step of ``generate`` holds beside its KV caches, at most: the logits of each
-    sequence, and a few hidden and MLP states of its one position (0 where the cache is not predicted)."""
-    shape = _generate_shape(model, args, kwargs)
-    if shape is None:
-        return 0
-    sequences, _, itemsize = shape
-    text = text_config(model.config)
-    hidden = getattr(text, "hidden_size", 0) or 0
-    per_row = (getattr(text, "vocab_size", 0) or 0) + 3 * (
-        getattr(text, "intermediate_size", 0) or 4 * hidden
-    )
-    return sequences * (per_row + 8 * hidden) * itemsize
-
-
-def _generate_shape(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[int, int, int] | None:
-    """Sequences, final cache positions and weight itemsize of a ``generate`` call of a decoder with a
-    cache and token ids; None otherwise."""
+def read_call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> GenerateCall | None:
+    """The call's shape, where the cache is predicted: a decoder with a cache, given token ids; else None."""
     if not _decoder_with_cache(model):
         return None
     ids = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs"))
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return None  # embeddings, or another modality's inputs: the length is not the prompt's
-    settings = generation_settings(model, kwargs)
+    settings = _generation_settings(model, kwargs)
     if settings is None:
         return None
-    length = ids.shape[1]
+    batch, length = ids.shape
     new = settings.max_new_tokens if settings.max_new_tokens is not None else settings.max_length - length
-    sequences = ids.shape[0] * max(settings.num_beams or 1, settings.num_return_sequences or 1)
+    sequences = batch * max(settings.num_beams or 1, settings.num_return_sequences or 1)
     itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
     # the last new token is returned, never fed back: the cache holds one position fewer than the output
-    return sequences, length + max(new, 1) - 1, itemsize
+    return GenerateCall(batch, sequences, length + max(new, 1) - 1, itemsize, settings)
 
 
-def generation_settings(model: nn.Module, kwargs: dict[str, Any]) -> Any:
+def final_kv_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Bytes of the KV cache at the end of ``model.generate(*args, **kwargs)``; 0 where not predicted
+    (``kv_cache.predicted_cache_bytes`` reads the layer kinds)."""
+    call = read_call(model, args, kwargs)
+    return 0 if call is None else _cache_bytes(model, call)
+
+
+def decode_step_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Bytes a decode step of ``generate`` holds beside its KV caches, at most: the logits of each
+    sequence, and a few hidden and MLP states of its one position (0 where the cache is not predicted)."""
+    call = read_call(model, args, kwargs)
+    return 0 if call is None else _step_bytes(model, call)
+
+
+def _cache_bytes(model: nn.Module, call: GenerateCall) -> int:
+    return predicted_cache_bytes(model.config, call.sequences, call.positions, call.itemsize) or 0
+
+
+def _step_bytes(model: nn.Module, call: GenerateCall) -> int:
+    text = text_config(model.config)
+    hidden = getattr(text, "hidden_size", 0) or 0
+    per_row = (getattr(text, "vocab_size", 0) or 0) + 3 * (
+        getattr(text, "intermediate_size", 0) or 4 * hidden
+    )
+    return call.sequences * (per_row + 8 * hidden) * call.itemsize
+
+
+def _generation_settings(model: nn.Module, kwargs: dict[str, Any]) -> Any:
     """The generation config a ``generate(**kwargs)`` call runs with (the model's, updated by the call's
     keywords), or None."""
     settings = copy.deepcopy(kwargs.get("generation_config") or getattr(model, "generation_config", None))
@@ -104,22 +115,22 @@ def counting_kv(model: nn.Module, generate: Callable[..., Any], engine: Engine) 
 
     @functools.wraps(generate)
     def run(*args: Any, **kwargs: Any) -> Any:
-        cache = final_kv_bytes(model, args, kwargs)
-        if not cache:
+        call = read_call(model, args, kwargs)
+        cache = 0 if call is None else _cache_bytes(model, call)
+        if call is None or not cache:
             return generate(*args, **kwargs)
+        step = _step_bytes(model, call)
         # the last decode step holds the cache it is passed, the one it builds and its own states
-        need = 2 * cache + decode_step_bytes(model, args, kwargs)
         what = f"generate's KV cache reaches {format_bytes(cache)} at its last token, held twice by a decode step"
         try:
-            engine.expect_activations(need, what)
+            engine.expect_activations(2 * cache + step, what)
             return generate(*args, **kwargs)
         except BudgetTooSmallError:
             # refused before the first token, or (where the prediction was short of a capture's
             # measure) at a later step: the whole call again in micro-batches, where they fit
-            settings = generation_settings(model, kwargs)
             split = None
             if engine.cohort is None:
-                split = split_generate(engine, generate, args, kwargs, settings, cache, need - 2 * cache)
+                split = split_generate(engine, generate, args, kwargs, call.settings, call.batch, cache, step)
             if split is None:
                 raise
             return split

@@ -57,11 +57,15 @@ class GraphEntry:
         their arguments, beside ``held`` bytes of calls waiting elsewhere. A graph's first call runs
         alone (it is profiled); the calls that run are halved until their activations fit."""
         engine, runner = self.engine, self.runner
+
+        def need_for(count: int) -> int:  # the first ``count`` run, the rest wait holding their arguments
+            return held + self.input_bytes(calls[count:]) + sum(self.activations(a) for a in calls[:count])
+
         count = 1 if self._call == self._profiled_call else len(calls)
-        need = held + self.input_bytes(calls[count:]) + sum(self.activations(a) for a in calls[:count])
+        need = need_for(count)
         while count > 1 and not engine.fits_activations(need):
             count //= 2
-            need = held + self.input_bytes(calls[count:]) + sum(self.activations(a) for a in calls[:count])
+            need = need_for(count)
         if count == 1:
             return [self._call_one(calls[0], need - self.activations(calls[0]))]
         if need > engine.activation_bytes[runner.index]:

@@ -29,24 +29,21 @@ def split_generate(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     settings: Any,
+    batch: int,
     cache: int,
     step: int,
 ) -> Any | None:
-    """``generate(*args, **kwargs)`` in micro-batches, or None where it cannot be split (the caller then
-    refuses it as before). ``cache``: the batch's KV cache at its last token; ``step``: what a decode step
-    of the whole batch holds beside its caches. Not split: a batch of one, a cache that cannot fit even in
-    micro-batches of one, or outputs this cannot merge (``return_dict_in_generate``, a streamer). Where
-    capture refuses the micro-batches chosen, smaller ones are tried, down to one sequence each."""
-    ids = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs"))
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-        return None
-    batch = ids.shape[0]
+    """``generate(*args, **kwargs)`` (``batch`` prompts, run with the generation config ``settings``) in
+    micro-batches, or None where it cannot be split (the caller then refuses it as before). ``cache``: the
+    batch's KV cache at its last token; ``step``: what a decode step of the whole batch holds beside its
+    caches. Not split: a batch of one, a cache that cannot fit even in micro-batches of one, or outputs
+    this cannot merge (``return_dict_in_generate``, a streamer). Where capture refuses the micro-batches
+    chosen, smaller ones are tried, down to one sequence each."""
     if batch < 2 or kwargs.get("streamer") is not None or settings.return_dict_in_generate:
         return None
-    count = engine.micro_batches_for(cache, step, batch)
-    if count is None:
+    size = _largest_that_fits(engine, batch, cache, step)
+    if size is None:
         return None
-    size = -(-batch // count)
     warnings.warn(
         f"generate: the KV cache of {batch} sequences ({format_bytes(cache)} at the last token) cannot fit the "
         f"budget whole; running the batch as {-(-batch // size)} micro-batches of up to {size} in one block. "
@@ -58,7 +55,7 @@ def split_generate(
             outputs = _in_micro_batches(engine, generate, args, kwargs, batch, size, cache, step)
             break
         except BudgetTooSmallError:
-            # the count was chosen before capture, from the weights' smallest units; capture knows which
+            # the size was chosen before capture, from the weights' smallest units; capture knows which
             # weights cannot be tiled: smaller micro-batches, down to one sequence each
             if size == 1:
                 raise
@@ -67,6 +64,23 @@ def split_generate(
     pad = settings.pad_token_id if settings.pad_token_id is not None else settings.eos_token_id
     pad = pad[0] if isinstance(pad, list | tuple) else pad
     return _stacked(outputs, pad)
+
+
+def _step_need(batch: int, size: int, cache: int, step: int) -> int:
+    """What a decode step in micro-batches of ``size`` holds: the caches of all (``cache``, the whole
+    batch's) and what the running ones build and hold (``step`` for the whole batch)."""
+    return cache + -(-(cache + step) * size // batch)
+
+
+def _largest_that_fits(engine: Engine, batch: int, cache: int, step: int) -> int | None:
+    """The largest micro-batch size, the batch halved (rounded up) until it fits, or None if one sequence
+    at a time cannot."""
+    size = batch
+    while size > 1:
+        size = -(-size // 2)
+        if engine.fits_activations(_step_need(batch, size, cache, step)):
+            return size
+    return None
 
 
 def _in_micro_batches(
@@ -79,9 +93,8 @@ def _in_micro_batches(
     cache: int,
     step: int,
 ) -> list[Any]:
-    """The call's batch in micro-batches of ``size`` as one block: the caches of all (``cache``, the whole
-    batch's) beside what the running ones build and hold at a decode step (``step`` for the batch)."""
-    need = cache + -(-(cache + step) * size // batch)
+    """The call's batch in micro-batches of ``size`` as one block (``_step_need``)."""
+    need = _step_need(batch, size, cache, step)
     what = f"generate's KV caches reach {format_bytes(need)} at the last token of a micro-batch of {size}"
     engine.expect_activations(need, what, instead=True)
     parts = [slice(start, start + size) for start in range(0, batch, size)]

@@ -126,9 +126,8 @@ class GraphRunner:
                             f"piece {step.piece} ({step.node.target}) of a graph offloaded by fxoffload_hf failed: {exc}"
                         ) from exc
                     finally:
-                        if step.piece + 1 == loaded_until or ran < len(
-                            envs
-                        ):  # its load's last piece, or failed
+                        # the last piece of its load, or a call of it failed
+                        if step.piece + 1 == loaded_until or ran < len(envs):
                             loader.release(loaded)
                             released = loaded_until
                     compute_s += time.perf_counter() - start

@@ -176,10 +176,10 @@ class FxOffloadCallback(Callback):
         else:
             self._check_offloaded_before(module, trainer)
         self._module = module
-        self._stats_before = copy.copy(fxoffload_hf.engine_of(module).stats)
+        engine = fxoffload_hf.engine_of(module)
+        self._stats_before = copy.copy(engine.stats)
         if self.batches_per_block > 1:
             if stage == "predict":
-                engine = fxoffload_hf.engine_of(module)
                 self._blocks = PredictInBlocks(trainer.predict_loop, engine, self.batches_per_block)
             else:
                 rank_zero_warn(
