@@ -67,7 +67,7 @@ def offload(
     device: str | torch.device | None = None,
     policy: str = "auto",
     compile: str | None = None,
-    capture: str = "first-call",
+    capture: str | None = None,
     checkpoint: Mapping[str, TensorSlice] | None = None,
     entry_points: tuple[str, ...] = ("forward",),
 ) -> nn.Module:
@@ -85,12 +85,14 @@ def offload(
             ``"sequential"`` (stream every piece, keep nothing resident).
         compile: compile each piece: ``"inductor"`` (CPU or GPU) or ``"tensorrt"`` (NVIDIA, with the
             ``tensorrt`` extra installed; without it a warning and the eager pieces).
-        capture: ``"first-call"`` captures and plans each entry point at its first call. ``"deferred"``
-            runs calls eagerly first, each module's weights lent for its call as accelerate's hooks do
-            (read in place from the checkpoint on the CPU), until they have taken about as long as
-            capture would, then captures: a short job's first answer comes without capture's wait, a
-            long one gets the streamed schedule. Eager calls are exact; their activations are not
-            checked against the budget (a captured call's are).
+        capture: ``"deferred"`` (the default; ``$FXOFFLOAD_HF_CAPTURE`` changes it) runs calls eagerly
+            first, each module's weights lent for its call as accelerate's hooks do (read in place from
+            the checkpoint on the CPU), until they have taken about as long as capture would, then
+            captures: a short job's first answer comes without capture's wait, a long one gets the
+            streamed schedule. A call runs eagerly only where a bound of its activations from the config
+            and its inputs (``eager_memory``) fits the budget beside the largest module's weights;
+            otherwise it is captured. ``"first-call"`` captures and plans each entry point at its first
+            call.
         checkpoint: parameter name → where its bytes lie in a safetensors file, for parameters on the
             meta device (used by ``from_pretrained``).
         entry_points: methods of ``model`` to run through the engine.
@@ -337,6 +339,7 @@ def _defer_only_where_lends_fit(eager: EagerWeights, holders: set[nn.Module], en
         return
     lent = {module: eager.lent_bytes(module) for module in holders}
     largest = max(lent, key=lent.__getitem__)
+    engine.largest_lent = lent[largest]
     if lent[largest] > room:
         engine.deferring = False
         report(

@@ -27,7 +27,14 @@ from fxoffload_hf.loaders import DeviceOps, InlineReader, ThreadedReader, make_l
 from fxoffload_hf.memory import return_large_frees_to_the_os
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
 from fxoffload_hf.partition import Partition
-from fxoffload_hf.planner import GraphInput, ModelPlan, partition_for_budget, plan_model, sizes_for_budget
+from fxoffload_hf.planner import (
+    GraphInput,
+    ModelPlan,
+    kept_bytes,
+    partition_for_budget,
+    plan_model,
+    sizes_for_budget,
+)
 from fxoffload_hf.program import build_program
 from fxoffload_hf.progress import report
 from fxoffload_hf.runner import GraphRunner, Observer
@@ -88,6 +95,38 @@ class Engine:
         self.eager_depth = 0  # entry-point calls running eagerly now (nested entry points inside one)
         self._eager_seconds = 0.0
         self._most_module_calls = 0  # lent in one eager call, at most
+        self.largest_lent = 0  # weight bytes the largest module holding weights is lent in an eager call
+
+    def runs_eagerly(self, need: int | None) -> bool:
+        """Whether a call may run eagerly now (``capture="deferred"``): capture is deferred, and the call's
+        bound beside its weights (``eager_memory``; None: no bound, so it is captured) fits the budget
+        with the weights kept, the largest module's lent whole and a generate's expected KV caches.
+        The first call that does not fit ends deferring: it and all after it are captured."""
+        if not self.deferring:
+            return False
+        budget = self.memory.budget
+        if budget is None:
+            return True
+        if need is not None:
+            # a CPU run sized by gpu_memory (as if a device had it) does not count the weights in RAM
+            counts_ram = self.device.type != "cpu" or self.config.cpu_memory is not None
+            held = self.memory.need(
+                activations=max(need, self.expected_activations),
+                resident=kept_bytes(self.store.records) if counts_ram else 0,
+                in_flight=self.largest_lent,
+            )
+            if held <= budget:
+                return True
+        self.deferring = False
+        report(
+            "capturing from this call, not running it eagerly: %s",
+            "its activations cannot be bounded from its inputs and the config"
+            if need is None
+            else f"its activations (at most {format_bytes(need)}) and the largest module's weights "
+            f"({format_bytes(self.largest_lent)}) do not fit {self.memory.budget_name}="
+            f"{format_bytes(budget)} as eager code; the captured call streams them in pieces",
+        )
+        return False
 
     def ran_eagerly(self, seconds: float, module_calls: int) -> None:
         """An entry point's call ran eagerly (deferred capture): capture from the next call on once the

@@ -15,6 +15,7 @@ from torch import nn
 from fxoffload_hf import eager_paths
 from fxoffload_hf.capture import compile_entry
 from fxoffload_hf.eager_fallback import EagerWeights, unwrapped_forward
+from fxoffload_hf.eager_memory import eager_call_bytes
 from fxoffload_hf.engine import Engine
 from fxoffload_hf.generate_memory import counting_kv
 from fxoffload_hf.undo import PatchedAttribute, Undo
@@ -55,7 +56,9 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
             lent = eager.mark()
             graphs = len(engine.runners)
             try:
-                if engine.deferring or engine.eager_depth:
+                if engine.eager_depth or (
+                    engine.deferring and engine.runs_eagerly(eager_call_bytes(target, args, kwargs))
+                ):
                     return _run_eagerly(engine, eager, original, args, kwargs)
                 engine.call_started = time.perf_counter()
                 return compiled()(*args, **kwargs)

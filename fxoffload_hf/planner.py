@@ -129,7 +129,7 @@ def plan_model(
     """Plan every graph of a model for the weights' current tiers (``records``)."""
     per_graph = [[[records[n] for n in names] for names in g.piece_names] for g in graphs]
     room = memory.room(activations)
-    flight_room = None if room is None else room - _kept_bytes(records)
+    flight_room = None if room is None else room - kept_bytes(records)
     cuts, streamed = [], []
     for g, pieces in zip(graphs, per_graph, strict=True):
         whole = {r.name for piece in pieces for r in piece if not read_by_rows(r, g.lookups, device_type)}
@@ -180,7 +180,7 @@ def read_by_rows(record: WeightRecord, lookups: frozenset[str], device_type: str
     return record.name in lookups and way_of(record, device_type, rows_only=True) in ROWS_WHERE_THEY_LIE
 
 
-def _kept_bytes(records: Mapping[str, WeightRecord]) -> int:
+def kept_bytes(records: Mapping[str, WeightRecord]) -> int:
     """Bytes of the weights kept where the model computes between calls."""
     seen = {id(r): r for r in records.values()}
     return sum(r.footprint for r in seen.values() if r.tier in (Tier.DEVICE, Tier.MAPPED))

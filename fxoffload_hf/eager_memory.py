@@ -1,0 +1,141 @@
+"""What one eager call of a model holds beside its weights, bounded from its config and the call's shape:
+the gate of ``capture="deferred"``, which runs a call eagerly only where this bound fits the budget beside
+the largest module's weights, and captures it otherwise (a captured graph's activations are measured
+exactly, ``activations``).
+
+A transformer's eager call holds, per token (the encoder's and the decoder's), a few hidden states, its queries, keys and values and its MLP's
+intermediate states; its attention scores (batch x heads x queries x keys, in fp32, twice: the scores and
+their softmax) where the kernel materialises them; the KV cache it is passed and the one it builds; and
+the output head's logits at the kept positions (in fp32, twice: Transformers upcasts them). The bound
+counts all of it generously: it gates, it does not plan, and a bound too high only costs a call the wait
+for capture. A call it cannot read (no config, inputs other than token ids, routed experts) has no
+bound, and is captured.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxoffload_hf.kv_cache import kv_cache_bytes, text_config
+
+# arguments that do not change what a decoder's call holds (beside the token ids and the cache)
+_SHAPE_FREE = {
+    "attention_mask",
+    "decoder_attention_mask",
+    "position_ids",
+    "cache_position",
+    "token_type_ids",
+    "use_cache",
+    "return_dict",
+}
+_TOKEN_INPUTS = ("input_ids", "decoder_input_ids")  # an encoder-decoder's: both computed in one call
+_CACHES = ("cache", "past_key_values")  # Transformers 5.25's name for the cache argument, and earlier ones'
+# the MLP's intermediate width under the names configs give it; the counts of routed experts
+_INNER_WIDTHS = ("intermediate_size", "ffn_dim", "n_inner", "d_ff")
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def eager_call_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """A bound on what ``model(*args, **kwargs)`` holds beside its weights when run eagerly; None where
+    the call or the config cannot be read."""
+    config = getattr(model, "config", None)
+    inputs = _named_inputs(args, kwargs)
+    if config is None or inputs is None:
+        return None
+    text = text_config(config)
+    hidden, heads, vocab = (_int(text, name) for name in ("hidden_size", "num_attention_heads", "vocab_size"))
+    lengths = _token_lengths(inputs)
+    past = _cached_positions(next((inputs[n] for n in _CACHES if inputs.get(n) is not None), None))
+    if lengths is None or past is None or not (hidden and heads and vocab) or _has_experts(text):
+        return None
+    batch, tokens, decoded = lengths
+    keys = past + tokens
+    itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+    per_token = (12 * hidden + 4 * _inner_width(text, hidden)) * itemsize
+    scores = 2 * batch * heads * tokens * keys * 4
+    logits = 2 * batch * _kept_positions(inputs.get("logits_to_keep"), decoded) * vocab * 4
+    cache_bytes = 2 * kv_cache_bytes(config, batch, keys, itemsize)
+    return batch * tokens * per_token + scores + logits + cache_bytes
+
+
+def _named_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The call's arguments by name (the one positional argument is the token ids); None where the call
+    passes anything the bound does not count."""
+    if len(args) > 1 or (args and "input_ids" in kwargs):
+        return None
+    inputs = {**kwargs, **({"input_ids": args[0]} if args else {})}
+    counted = _SHAPE_FREE | {*_TOKEN_INPUTS, *_CACHES, "logits_to_keep", "encoder_outputs"}
+    return None if any(_holds_more(v) for k, v in inputs.items() if k not in counted) else inputs
+
+
+def _token_lengths(inputs: dict[str, Any]) -> tuple[int, int, int] | None:
+    """Batch, tokens the call computes (the encoder's, held or computed, and the decoder's) and positions
+    it returns logits for; None unless every sequence input is 2-D token ids of one batch."""
+    ids = [inputs[name] for name in _TOKEN_INPUTS if inputs.get(name) is not None]
+    held = _first_tensor(inputs.get("encoder_outputs"))
+    if not ids or any(not isinstance(t, torch.Tensor) or t.dim() != 2 for t in ids):
+        return None
+    if held is not None and not (isinstance(held, torch.Tensor) and held.dim() == 3):
+        return None
+    sizes = {t.shape[0] for t in ids} | ({held.shape[0]} if held is not None else set())
+    if len(sizes) != 1:
+        return None
+    encoder_tokens = 0 if held is None else held.shape[1]
+    return sizes.pop(), sum(t.shape[1] for t in ids) + encoder_tokens, ids[-1].shape[1]
+
+
+def _first_tensor(outputs: Any) -> Any:
+    """An encoder's hidden states from its outputs (a ``ModelOutput``, a tuple or the tensor itself)."""
+    if outputs is None or isinstance(outputs, torch.Tensor):
+        return outputs
+    return outputs.to_tuple()[0] if hasattr(outputs, "to_tuple") else outputs[0]
+
+
+def _holds_more(value: Any) -> bool:
+    """Whether an argument the bound does not name may make the call hold more (other inputs: embeddings,
+    pixels, labels; switches that keep every layer's states): anything but None or False."""
+    return value is not None and value is not False
+
+
+def _int(config: Any, name: str) -> int:
+    try:
+        value = getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - an attribute that varies by layer (Transformers' own error)
+        return 0
+    return value if isinstance(value, int) and value > 0 else 0
+
+
+def _inner_width(text: Any, hidden: int) -> int:
+    """The width of a token's MLP states."""
+    return max((_int(text, name) for name in _INNER_WIDTHS), default=0) or 4 * hidden
+
+
+def _has_experts(text: Any) -> bool:
+    """Whether the config names routed experts: their eager code may copy stacked expert weights (a
+    grouped or transposed product), which no config bound sees; a captured graph measures it."""
+    return any(_int(text, name) > 1 for name in _EXPERT_COUNTS)
+
+
+def _cached_positions(cache: Any) -> int | None:
+    """Positions already in the cache a call is passed (0 without one); None where it cannot be read."""
+    if cache is None:
+        return 0
+    length = getattr(cache, "get_seq_length", None)
+    if not callable(length):
+        return None
+    try:
+        return int(length())
+    except Exception:  # noqa: BLE001 - a cache kind that cannot tell its length this way
+        return None
+
+
+def _kept_positions(logits_to_keep: Any, queries: int) -> int:
+    """Positions whose logits the call returns (Transformers' ``logits_to_keep``: 0 means all)."""
+    if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+        return min(logits_to_keep, queries)
+    if isinstance(logits_to_keep, torch.Tensor):
+        return min(int(logits_to_keep.numel()), queries)
+    return queries

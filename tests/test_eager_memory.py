@@ -1,0 +1,84 @@
+"""eager_memory: the bound on an eager call's activations is at least what a captured graph of the same
+call measures, on real architectures, for forwards and each step of generate; calls it cannot read have
+no bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import fxoffload_hf
+from fxoffload_hf.eager_memory import eager_call_bytes
+from fxoffload_hf.graph_entry import GraphEntry
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "opt", "t5"])
+def test_the_bound_covers_what_each_captured_call_holds(arch, tmp_path, save_checkpoint, monkeypatch):
+    eager = save_checkpoint(arch, tmp_path)
+    weights = sum(p.numel() * p.element_size() for p in eager.parameters())
+    auto = transformers.AutoModelForSeq2SeqLM if arch == "t5" else None
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=2 * weights, device="cpu", auto_class=auto)
+    measured: list[int] = []
+    bounds: list[int | None] = []
+    run_one = GraphEntry._call_one
+
+    def measuring(entry, args, held=0):
+        measured.append(entry.activations(args))
+        return run_one(entry, args, held)
+
+    monkeypatch.setattr(GraphEntry, "_call_one", measuring)
+    forward = model.forward
+
+    def bounded(*args, **kwargs):
+        bounds.append(eager_call_bytes(model, args, kwargs))
+        return forward(*args, **kwargs)
+
+    model.forward = bounded
+    try:
+        for batch, length in [(1, 9), (3, 40)]:
+            ids = torch.randint(1, 1000, (batch, length), generator=torch.Generator().manual_seed(length))
+            with torch.no_grad():
+                if arch == "t5":  # the whole call, and the decoder's given the encoder's states
+                    model(input_ids=ids, decoder_input_ids=ids[:, :5])
+                    states = (eager.encoder(input_ids=ids).last_hidden_state,)
+                    model(encoder_outputs=states, decoder_input_ids=ids[:, :7])
+                else:
+                    model(ids)
+                    model.generate(ids, max_new_tokens=3, do_sample=False)
+        assert len(bounds) == len(measured) >= 4  # forwards, prefills and decode steps, one graph each
+        for bound, need in zip(bounds, measured, strict=True):
+            assert bound is not None and bound >= need
+    finally:
+        del model.forward
+        fxoffload_hf.restore(model)
+
+
+def test_calls_the_bound_cannot_read_have_none(build_model, checkpoint_config):
+    llama = build_model("llama")
+    ids = torch.ones(2, 5, dtype=torch.long)
+    assert eager_call_bytes(llama, (ids,), {}) == eager_call_bytes(llama, (), {"input_ids": ids})
+    assert eager_call_bytes(llama, (ids,), {"use_cache": True, "output_hidden_states": False}) is not None
+    # other inputs than token ids, switches that keep every layer's states, a second positional argument
+    assert eager_call_bytes(llama, (), {"inputs_embeds": torch.ones(2, 5, 128)}) is None
+    assert eager_call_bytes(llama, (ids,), {"output_hidden_states": True}) is None
+    assert eager_call_bytes(llama, (ids, ids), {}) is None
+    assert eager_call_bytes(llama, (ids[0],), {}) is None  # not a batch of token ids
+    assert eager_call_bytes(build_model("mlp"), (torch.ones(2, 256),), {}) is None  # no config
+    # routed experts may copy their stacked weights in eager code: captured, where that is measured
+    mixtral = transformers.MixtralForCausalLM(checkpoint_config("mixtral"))
+    assert eager_call_bytes(mixtral, (ids,), {}) is None
+
+
+def test_the_bound_grows_with_the_batch_and_the_cache(build_model):
+    llama = build_model("llama")
+    one = eager_call_bytes(llama, (torch.ones(1, 8, dtype=torch.long),), {})
+    four = eager_call_bytes(llama, (torch.ones(4, 8, dtype=torch.long),), {})
+    assert one is not None and four is not None and four >= 4 * one
+    cache = transformers.DynamicCache(config=llama.config)
+    with torch.no_grad():
+        llama(torch.ones(1, 30, dtype=torch.long), past_key_values=cache)
+    step = torch.ones(1, 1, dtype=torch.long)
+    later = eager_call_bytes(llama, (), {"input_ids": step, "past_key_values": cache})
+    first = eager_call_bytes(llama, (step,), {})
+    assert later is not None and first is not None and later > first
