@@ -25,7 +25,7 @@ from fxoffload_hf.align import align_shards_in_place
 
 def decode(folder: Path, budget: int, ids: torch.Tensor, new_tokens: int) -> dict[str, Any]:
     """Load ``folder`` offloaded at ``budget``, warm up, then time a greedy generate of ``new_tokens``."""
-    lm = fxoffload_hf.from_pretrained(folder, cpu_memory=budget, device="cpu")
+    lm = fxoffload_hf.from_pretrained(folder, cpu_memory=budget, device="cpu", capture="first-call")
     try:
         with torch.no_grad():
             lm.generate(ids, max_new_tokens=4, do_sample=False)  # capture, profile, schedule

@@ -4,7 +4,7 @@ Run ``.venv/bin/python benchmarks/bench_cold_start.py`` from the repository root
 The model is a random Llama of about 0.77 GB with a large vocabulary against its width (vocab 32,000,
 hidden 1,024, fp32), built once. Each mode runs in its own child, modes interleaved round by round:
 eager (all in RAM), accelerate's disk offload and fxoffload_hf with ``capture="first-call"`` and
-``capture="deferred"``, the offloaded ones at ``cpu_memory`` = a quarter of the weights. Each child
+``capture="deferred"`` (the default), the offloaded ones at ``cpu_memory`` = a quarter of the weights. Each child
 times the load, the first ``generate`` (64-token prompt, 16 new tokens) and a second one, and checks its
 tokens against eager's. Figures are medians over the rounds; compare them only within one run.
 """

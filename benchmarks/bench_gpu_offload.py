@@ -178,7 +178,7 @@ def main() -> None:
     if "fxoffload" in modes:
         base_rss = psutil.Process().memory_info().rss
         offloaded = fxoffload_hf.from_pretrained(
-            folder, gpu_memory=budget, cpu_memory=None, device="cuda", **attn
+            folder, gpu_memory=budget, cpu_memory=None, device="cuda", capture="first-call", **attn
         )
         results["fxoffload"] = fx = decode(offloaded, ids, args.new_tokens)
         summary["teacher_forced_vs_eager"] = compare_logits(

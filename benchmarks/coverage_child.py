@@ -275,7 +275,7 @@ def load(
         try:
             phase("load")
             model = fxoffload_hf.from_pretrained(
-                folder, offload="fx", cpu_memory=budget, device="cpu", auto_class=auto
+                folder, offload="fx", cpu_memory=budget, device="cpu", auto_class=auto, capture="first-call"
             )
             where = "first call"
             phase(where)

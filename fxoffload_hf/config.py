@@ -29,9 +29,21 @@ DEFAULT_GPU_SHARE = 0.9
 COMPILE_BACKENDS = (None, "inductor", "tensorrt")
 # "first-call": capture at each entry point's first call; "deferred": run eagerly until worth capturing
 CAPTURE_MODES = ("first-call", "deferred")
+CAPTURE_ENV = "FXOFFLOAD_HF_CAPTURE"  # the capture mode where none is passed (default "deferred")
 RESIDENT_THRESHOLD = 64 * 1024  # parameters smaller than this stay where the model computes
 
 BudgetSpec = int | float | str | None
+
+
+def resolve_capture(capture: str | None) -> str:
+    """The capture mode: ``capture``, or where it is None ``$FXOFFLOAD_HF_CAPTURE``, else ``"deferred"``."""
+    source = "capture"
+    if capture is None:
+        capture = os.environ.get(CAPTURE_ENV) or "deferred"
+        source = CAPTURE_ENV
+    if capture not in CAPTURE_MODES:
+        raise ValueError(f"{source}: {capture!r} is not one of {CAPTURE_MODES}")
+    return capture
 
 
 def parse_budget(value: BudgetSpec, *, free_bytes: int | None = None, what: str = "budget") -> int | None:
@@ -137,7 +149,7 @@ class OffloadConfig:
     offload_folder: Path | None = None
     policy: str = "auto"
     compile: str | None = None
-    capture: str = "first-call"
+    capture: str = "deferred"
     resident_threshold: int = RESIDENT_THRESHOLD
     profile_calls: int = 1
 
@@ -151,7 +163,7 @@ class OffloadConfig:
         device: str | torch.device | None = None,
         policy: str = "auto",
         compile: str | None = None,
-        capture: str = "first-call",
+        capture: str | None = None,
     ) -> OffloadConfig:
         """Validate user-facing arguments (see ``fxoffload_hf.offload``) and build the config."""
         dev = resolve_device(device)
@@ -159,8 +171,7 @@ class OffloadConfig:
             raise ValueError(f"policy: {policy!r} is not one of {POLICIES}")
         if compile not in COMPILE_BACKENDS:
             raise ValueError(f"compile: {compile!r} is not one of {COMPILE_BACKENDS}")
-        if capture not in CAPTURE_MODES:
-            raise ValueError(f"capture: {capture!r} is not one of {CAPTURE_MODES}")
+        capture = resolve_capture(capture)
         gpu_free = free_device_memory(dev) if dev.type == "cuda" else free_host_memory()
         gpu_budget, cpu_budget = parse_budgets(dev.type, gpu_memory, cpu_memory, gpu_free)
         return cls(

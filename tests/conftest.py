@@ -22,6 +22,10 @@ from fxoffload_hf.align import align_shards_in_place
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# the suite tests the captured, streamed path from the first call (child processes too), whatever the
+# caller's environment; the default, deferred capture, is tested where a test asks for it
+# (``tests/test_deferred_capture.py``, with ``default_capture``)
+os.environ["FXOFFLOAD_HF_CAPTURE"] = "first-call"
 # ``make test`` runs the suite in several workers (pytest-xdist): the cores are shared among them
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, 2 // _WORKERS))
@@ -285,3 +289,9 @@ def place_data_at_fixture() -> Callable[[Path, int], None]:
     """``place_data_at(folder, remainder)``: rewrite the folder's shards so that their data sections start
     at ``remainder`` modulo 16 bytes (ops compute with mapped pages only at 0)."""
     return lambda folder, remainder: align_shards_in_place(folder, data_start=remainder)
+
+
+@pytest.fixture
+def default_capture(monkeypatch) -> None:
+    """The library's own default capture mode for this test (the suite otherwise captures at the first call)."""
+    monkeypatch.delenv("FXOFFLOAD_HF_CAPTURE")

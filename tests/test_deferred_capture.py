@@ -87,3 +87,49 @@ def test_deferred_capture_gives_way_where_a_module_cannot_be_lent_whole(tmp_path
         assert any(r.tile_of == "lm_head.weight" for r in engine.store.records.values())
     finally:
         fxoffload_hf.restore(model)
+
+
+def test_by_default_a_short_answer_runs_eagerly_and_exactly(tmp_path, save_checkpoint, default_capture):
+    eager = save_checkpoint("llama", tmp_path)
+    ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(5))
+    expected = _generate(eager, ids)
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="25%", device="cpu")
+    engine = fxoffload_hf.engine_of(model)
+    try:
+        assert engine.config.capture == "deferred" and engine.deferring
+        assert torch.equal(_generate(model, ids), expected)
+        assert engine.runners == [] and engine.stats.eager_calls == 4
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_the_default_capture_mode_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("FXOFFLOAD_HF_CAPTURE", "later")
+    with pytest.raises(ValueError, match="FXOFFLOAD_HF_CAPTURE: 'later' is not one of"):
+        fxoffload_hf.offload(torch.nn.Linear(4, 4), cpu_memory="1MiB", device="cpu")
+    monkeypatch.setenv("FXOFFLOAD_HF_CAPTURE", "deferred")
+    model = fxoffload_hf.offload(torch.nn.Linear(4, 4), cpu_memory="1MiB", device="cpu")
+    try:
+        assert fxoffload_hf.engine_of(model).config.capture == "deferred"
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_a_call_whose_activations_cannot_fit_as_eager_code_is_captured(tmp_path, save_checkpoint, logits):
+    """Eager calls are bounded (``eager_memory``): a short call fits beside the largest module's weights
+    and runs eagerly; a batch whose bound does not fit is captured, where its activations are measured
+    and the weights stream in pieces around them; from then on calls are captured."""
+    eager = save_checkpoint("llama", tmp_path)
+    short = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(1))
+    batch = torch.randint(0, 1000, (4, 40), generator=torch.Generator().manual_seed(2))
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="2.5MiB", device="cpu", capture="deferred")
+    engine = fxoffload_hf.engine_of(model)
+    try:
+        assert torch.equal(logits(model, short), logits(eager, short))
+        assert engine.stats.eager_calls == 1 and engine.runners == []
+        assert torch.equal(logits(model, batch), logits(eager, batch))
+        assert engine.stats.eager_calls == 1 and len(engine.runners) == 1 and not engine.deferring
+        assert torch.equal(logits(model, short), logits(eager, short))
+        assert engine.stats.eager_calls == 1
+    finally:
+        fxoffload_hf.restore(model)

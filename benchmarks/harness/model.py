@@ -132,7 +132,10 @@ def load_model(mode: str, model_dir: Path, budget: int, offload_dir: Path) -> An
     if mode == "fxoffload":
         import fxoffload_hf
 
-        return fxoffload_hf.from_pretrained(model_dir, offload="fx", cpu_memory=budget, device="cpu")
+        # the streamed schedule, captured at the warm-up (the default defers capture past short jobs)
+        return fxoffload_hf.from_pretrained(
+            model_dir, offload="fx", cpu_memory=budget, device="cpu", capture="first-call"
+        )
     if mode == "accelerate":
         return transformers.AutoModelForCausalLM.from_pretrained(
             model_dir, device_map="auto", max_memory={"cpu": budget}, offload_folder=str(offload_dir)

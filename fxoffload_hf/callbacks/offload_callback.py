@@ -31,14 +31,14 @@ from torch import nn
 import fxoffload_hf
 from fxoffload_hf.callbacks.predict_blocks import PredictInBlocks
 from fxoffload_hf.capture import handle_of
-from fxoffload_hf.config import CAPTURE_MODES, POLICIES, BudgetSpec, parse_budget
+from fxoffload_hf.config import POLICIES, BudgetSpec, parse_budget, resolve_capture
 from fxoffload_hf.stats import Stats
 
 _IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 _STAGES = ("predict", "test", "validate")
 _TARGET_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _MISSING = object()
-_DEFAULTS = {"policy": "auto", "capture": "first-call"}
+_DEFAULTS = {"policy": "auto", "capture": None}
 
 
 class FxOffloadCallback(Callback):
@@ -67,7 +67,7 @@ class FxOffloadCallback(Callback):
         target: attribute path of the submodule to offload (``"model"``, ``"backbone.encoder"``); None
             offloads the LightningModule itself.
         policy: ``"auto"`` or ``"sequential"`` (see ``fxoffload_hf.offload``).
-        capture: ``"first-call"`` or ``"deferred"`` (see ``fxoffload_hf.offload``).
+        capture: ``"deferred"`` (the default) or ``"first-call"`` (see ``fxoffload_hf.offload``).
         log_stats: log bytes streamed, the share of copy time hidden and peak memory per device.
         batches_per_block: predict this many consecutive batches as one block: each graph of the model
             runs once for all of them, so each weight streams in once per block instead of once per
@@ -91,7 +91,7 @@ class FxOffloadCallback(Callback):
         target: str | None = None,
         policy: str = "auto",
         log_stats: bool = True,
-        capture: str = "first-call",
+        capture: str | None = None,
         batches_per_block: int = 1,
     ) -> None:
         # percentages are resolved against free memory at setup; here only their form is checked
@@ -106,8 +106,8 @@ class FxOffloadCallback(Callback):
             )
         if policy not in POLICIES:
             raise ValueError(f"policy: {policy!r} is not one of {POLICIES}")
-        if capture not in CAPTURE_MODES:
-            raise ValueError(f"capture: {capture!r} is not one of {CAPTURE_MODES}")
+        if capture is not None:
+            resolve_capture(capture)
         if (
             isinstance(batches_per_block, bool)
             or not isinstance(batches_per_block, int)

@@ -42,7 +42,7 @@ def from_pretrained(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device | None = None,
     policy: str = "auto",
-    capture: str = "first-call",
+    capture: str | None = None,
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     auto_class: Any = None,
@@ -81,7 +81,7 @@ def from_pretrained(
             "cpu_memory": cpu_memory is not None,
             "device": device is not None,
             "policy": policy != "auto",
-            "capture": capture != "first-call",
+            "capture": capture is not None,
         }
         named = [name for name, set_ in given.items() if set_]
         if named:
