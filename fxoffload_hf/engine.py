@@ -277,6 +277,11 @@ class Engine:
         with self.lock, eager_paths.inside(masks_by_value=self.device.type == "cuda"):
             if self.cohort is not None:
                 raise RuntimeError("a block of calls is already running on this model; blocks do not nest")
+            if self.deferring:  # eager calls would each read every weight: a block is what capture is for
+                self.deferring = False
+                report(
+                    "capturing from this block of %d calls: each weight is then read once for all", len(calls)
+                )
             self.cohort = cohort
             try:
                 return cohort.run(calls), cohort.group_sizes

@@ -93,7 +93,8 @@ def test_by_default_a_short_answer_runs_eagerly_and_exactly(tmp_path, save_check
     eager = save_checkpoint("llama", tmp_path)
     ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(5))
     expected = _generate(eager, ids)
-    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="25%", device="cpu")
+    half = sum(p.numel() * p.element_size() for p in eager.parameters()) // 2
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=half, device="cpu")
     engine = fxoffload_hf.engine_of(model)
     try:
         assert engine.config.capture == "deferred" and engine.deferring
@@ -131,5 +132,20 @@ def test_a_call_whose_activations_cannot_fit_as_eager_code_is_captured(tmp_path,
         assert engine.stats.eager_calls == 1 and len(engine.runners) == 1 and not engine.deferring
         assert torch.equal(logits(model, short), logits(eager, short))
         assert engine.stats.eager_calls == 1
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_a_block_of_calls_is_captured_so_that_each_weight_is_read_once_for_all(tmp_path, save_checkpoint):
+    eager = save_checkpoint("llama", tmp_path)
+    prompts = [torch.randint(0, 1000, (1, n), generator=torch.Generator().manual_seed(n)) for n in (4, 11)]
+    expected = [_generate(eager, p) for p in prompts]
+    half = sum(p.numel() * p.element_size() for p in eager.parameters()) // 2
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=half, device="cpu", capture="deferred")
+    engine = fxoffload_hf.engine_of(model)
+    try:
+        got = fxoffload_hf.run_as_block(model, [lambda p=p: _generate(model, p) for p in prompts])
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        assert engine.stats.eager_calls == 0 and not engine.deferring and len(engine.runners) == 2
     finally:
         fxoffload_hf.restore(model)
