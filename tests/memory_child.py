@@ -44,6 +44,8 @@ def main() -> None:
         "peak_anon_rise": sampler.peak["RssAnon"] - base["RssAnon"],
         "disk_bytes": engine.store.bytes_in(fxoffload_hf.weights.Tier.DISK),
         "tokens": tokens.tolist(),
+        "graphs": len(engine.runners),
+        "eager_calls": engine.stats.eager_calls,
     }
     print(json.dumps(report))
 

@@ -1,8 +1,11 @@
-"""With cpu_memory at 25% of the checkpoint, the process's peak memory stays near the budget."""
+"""With cpu_memory at 25% of the checkpoint, the process's peak memory stays near the budget: within 5% of
+it by default (a short answer runs eagerly, each module lent its weights within the budget), within a
+fixed slack when captured from the first call (dynamo's state of each graph is not counted yet)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,13 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-# Measured here: about 20 MiB per captured graph (dynamo's graphs, guards and fake tensors) with four
-# graphs for a generate call, plus activations; none of it is weights, and it does not grow with the model.
-SLACK = 160 * 2**20
+# Captured: about 20 MiB per graph (dynamo's graphs, guards and fake tensors) with four graphs for a
+# generate call, plus activations; none of it is weights, and it does not grow with the model.
+CAPTURED_SLACK = 160 * 2**20
 
 
 @pytest.mark.slow
-def test_peak_memory_stays_within_cpu_budget_plus_slack(tmp_path: Path):
+@pytest.mark.parametrize("capture", ["deferred", "first-call"])
+def test_peak_memory_stays_within_cpu_budget_plus_slack(tmp_path: Path, capture: str):
     import transformers as tf
 
     torch.manual_seed(0)
@@ -42,14 +46,20 @@ def test_peak_memory_stays_within_cpu_budget_plus_slack(tmp_path: Path):
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, "FXOFFLOAD_HF_CAPTURE": capture},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
+    slack = report["budget"] // 20 if capture == "deferred" else CAPTURED_SLACK
     assert report["tokens"] == expected
+    if capture == "deferred":  # a short answer: every call eager, none captured
+        assert report["graphs"] == 0 and report["eager_calls"] == 4, report
+    else:
+        assert report["graphs"] == 2 and report["eager_calls"] == 0, report
     assert report["disk_bytes"] > report["checkpoint_bytes"] // 2
-    assert report["peak_rise"] < report["budget"] + SLACK, report
+    assert report["peak_rise"] < report["budget"] + slack, report
     assert report["peak_rise"] < report["checkpoint_bytes"], report
     # the sampled peak of private memory alone (the checkpoint's mapped pages are file-backed) stays
     # within the budget too, and covers where private memory ended
-    assert 0 < report["peak_anon_rise"] < report["budget"] + SLACK, report
+    assert 0 < report["peak_anon_rise"] < report["budget"] + slack, report
     assert report["anon_rise"] <= report["peak_anon_rise"] + 2**20, report
