@@ -25,7 +25,7 @@ from fxoffload_hf.graph_entry import GraphEntry
 from fxoffload_hf.graphs import call_inputs, capture_device, graph_facts, retarget_devices
 from fxoffload_hf.loaders import DeviceOps, InlineReader, ThreadedReader, make_loader
 from fxoffload_hf.memory import return_large_frees_to_the_os
-from fxoffload_hf.memory_model import MemoryModel, format_bytes
+from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, format_bytes
 from fxoffload_hf.partition import Partition
 from fxoffload_hf.planner import (
     GraphInput,
@@ -96,6 +96,15 @@ class Engine:
         self._eager_seconds = 0.0
         self._most_module_calls = 0  # lent in one eager call, at most
         self.largest_lent = 0  # weight bytes the largest module holding weights is lent in an eager call
+        self.capture_by_choice = False  # deferring ended for speed (``ran_eagerly``), not for the budget
+        self.capture_refused = False  # such a capture needed more than the budget: calls stay eager
+
+    def stay_eager(self, refusal: BudgetTooSmallError) -> None:
+        """Capture, chosen for speed, needs more than the budget (its pieces group weights that eager calls
+        are lent module by module): calls go on eagerly, within the budget, and capture is not tried
+        again for speed."""
+        self.deferring, self.capture_by_choice, self.capture_refused = True, False, True
+        report("capture does not fit the budget, so calls go on eagerly (as before): %s", refusal)
 
     def runs_eagerly(self, need: int | None) -> bool:
         """Whether a call may run eagerly now (``capture="deferred"``): capture is deferred, and the call's
@@ -117,7 +126,7 @@ class Engine:
             )
             if held <= budget:
                 return True
-        self.deferring = False
+        self.deferring = self.capture_by_choice = False
         report(
             "capturing from this call, not running it eagerly: %s",
             "its activations cannot be bounded from its inputs and the config"
@@ -135,8 +144,11 @@ class Engine:
         self.stats.eager_calls += 1
         self._eager_seconds += seconds
         self._most_module_calls = max(self._most_module_calls, module_calls)
+        if self.capture_refused:
+            return
         if self._eager_seconds >= self._most_module_calls * _CAPTURE_SECONDS_PER_MODULE_CALL:
             self.deferring = False
+            self.capture_by_choice = True
             report(
                 "capturing from the next call: %d eager calls took %.1f s, about what capture is estimated to take",
                 self.stats.eager_calls,
@@ -277,8 +289,8 @@ class Engine:
         with self.lock, eager_paths.inside(masks_by_value=self.device.type == "cuda"):
             if self.cohort is not None:
                 raise RuntimeError("a block of calls is already running on this model; blocks do not nest")
-            if self.deferring:  # eager calls would each read every weight: a block is what capture is for
-                self.deferring = False
+            if self.deferring and not self.capture_refused:  # eager calls would each read every weight
+                self.deferring, self.capture_by_choice = False, True
                 report(
                     "capturing from this block of %d calls: each weight is then read once for all", len(calls)
                 )

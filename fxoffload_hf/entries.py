@@ -18,6 +18,7 @@ from fxoffload_hf.eager_fallback import EagerWeights, unwrapped_forward
 from fxoffload_hf.eager_memory import eager_call_bytes
 from fxoffload_hf.engine import Engine
 from fxoffload_hf.generate_memory import counting_kv
+from fxoffload_hf.memory_model import BudgetTooSmallError
 from fxoffload_hf.undo import PatchedAttribute, Undo
 
 
@@ -55,18 +56,25 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
         with engine.lock, eager_paths.inside(masks_by_value=engine.device.type == "cuda"):
             lent = eager.mark()
             graphs = len(engine.runners)
+            capturing = False
             try:
                 if engine.eager_depth or (
                     engine.deferring and engine.runs_eagerly(eager_call_bytes(target, args, kwargs))
                 ):
                     return _run_eagerly(engine, eager, original, args, kwargs)
                 engine.call_started = time.perf_counter()
+                capturing = True
                 return compiled()(*args, **kwargs)
             except BaseException as exc:
                 eager.unwind(lent)  # an interrupt skips the modules' post-hooks
                 inner = getattr(exc, "inner_exception", None)
                 if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed) and isinstance(inner, ValueError):
-                    raise inner from None  # a budget refused while a graph is captured, as itself
+                    exc = inner  # a budget refused while a graph is captured, as itself
+                if capturing and engine.capture_by_choice and isinstance(exc, BudgetTooSmallError):
+                    engine.stay_eager(exc)  # captured for speed, which this budget cannot give
+                    return _run_eagerly(engine, eager, original, args, kwargs)
+                if exc is inner:
+                    raise exc from None
                 raise
             finally:
                 if len(engine.runners) != graphs:

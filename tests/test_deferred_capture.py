@@ -149,3 +149,35 @@ def test_a_block_of_calls_is_captured_so_that_each_weight_is_read_once_for_all(t
         assert engine.stats.eager_calls == 0 and not engine.deferring and len(engine.runners) == 2
     finally:
         fxoffload_hf.restore(model)
+
+
+def test_where_capture_would_need_more_than_the_budget_calls_stay_eager(small_llama, logits, monkeypatch):
+    """Eager calls are lent weights module by module, a captured call's pieces group them: at a budget
+    between the two floors, capture chosen for speed is refused by the budget, and the calls go on
+    eagerly and exactly, without trying again."""
+    model, x, expected = small_llama
+    with pytest.raises(ValueError) as info:  # the captured floor, named at the first captured call
+        fxoffload_hf.offload(model, gpu_memory=1, device="cpu")
+    captured_floor = None
+    budget = int(str(info.value).rsplit("gpu_memory=", 1)[1].split()[0])
+    while captured_floor is None:
+        fxoffload_hf.offload(model, gpu_memory=budget, device="cpu", capture="first-call")
+        try:
+            logits(model, x)
+            captured_floor = budget
+        except ValueError as refusal:
+            budget = int(str(refusal).rsplit("gpu_memory=", 1)[1].split()[0])
+        finally:
+            fxoffload_hf.restore(model)
+    fxoffload_hf.offload(model, gpu_memory=captured_floor - 1, device="cpu", capture="deferred")
+    engine = fxoffload_hf.engine_of(model)
+    try:
+        assert torch.equal(logits(model, x), expected) and engine.stats.eager_calls == 1
+        monkeypatch.setattr(fxoffload_hf.engine, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
+        assert torch.equal(logits(model, x), expected)  # decides to capture from the next call
+        assert torch.equal(logits(model, x), expected)  # whose capture the budget refuses: eager
+        assert engine.capture_refused and engine.deferring and engine.stats.eager_calls == 3
+        assert torch.equal(logits(model, x), expected)
+        assert engine.stats.eager_calls == 4
+    finally:
+        fxoffload_hf.restore(model)
