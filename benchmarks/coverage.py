@@ -19,6 +19,7 @@ import argparse
 import datetime as dt
 import importlib.metadata
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -157,12 +158,20 @@ def main(argv: list[str] | None = None) -> int:
         help="budget as this share of each model's weights exactly, following refusals to the floor they "
         "name (default: 0.4, with room for 2.5 of the largest weights)",
     )
+    parser.add_argument(
+        "--capture",
+        choices=["first-call", "deferred"],
+        default="first-call",
+        help="first-call (default): the streamed schedule from the first call; deferred: the library's "
+        "default, eager calls within the budget until capture is worth it",
+    )
     parser.add_argument("--resume", action="store_true", help="skip pairs already in --out")
     parser.add_argument("--report-only", action="store_true", help="only write the summary of --out")
     parser.add_argument("--table", action="store_true", help="print the markdown summary")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
+    os.environ["FXOFFLOAD_HF_CAPTURE"] = args.capture  # the children's capture mode
     from harness.coverage_report import markdown
 
     rows = read_rows(args.out) if (args.resume or args.report_only) else []
@@ -175,7 +184,13 @@ def main(argv: list[str] | None = None) -> int:
         pairs = [p for p in plan(mappings, only) if p not in seen]
         print(f"{len(pairs)} checks, {args.jobs} at a time, {args.limit_s:g} s each at most", flush=True)
         sweep(pairs, args, rows)
-    header = {"date": dt.date.today().isoformat(), **versions(), "limit_s": args.limit_s, "share": args.share}
+    header = {
+        "date": dt.date.today().isoformat(),
+        **versions(),
+        "limit_s": args.limit_s,
+        "share": args.share,
+        "capture": args.capture,
+    }
     text = markdown(latest(rows), header)
     table = args.out.with_suffix(".md")
     table.write_text(text)

@@ -275,8 +275,8 @@ def load(
         try:
             phase("load")
             model = fxoffload_hf.from_pretrained(
-                folder, offload="fx", cpu_memory=budget, device="cpu", auto_class=auto, capture="first-call"
-            )
+                folder, offload="fx", cpu_memory=budget, device="cpu", auto_class=auto
+            )  # capture: FXOFFLOAD_HF_CAPTURE, which coverage.py sets (--capture)
             where = "first call"
             phase(where)
             with torch.no_grad():
