@@ -27,6 +27,7 @@ from harness.sampling import MemoryMarks, import_baseline
 
 TIMELINE_ENV, TRACE_ENV = "FXOFFLOAD_BENCH_TIMELINE", "FXOFFLOAD_BENCH_TRACE"
 MODES = ("eager", "fxoffload", "accelerate")
+EXTRA_MODES = ("fxoffload-deferred",)  # the default capture, eager calls within the budget: --only
 MiB = 2**20
 PROMPT_TOKENS = 64
 WARMUP_TOKENS = 4
@@ -43,7 +44,7 @@ def child_run(mode: str, model_dir: Path, budget: int, new_tokens: int) -> None:
     import torch
     import transformers  # noqa: F401
 
-    if mode == "fxoffload":
+    if mode.startswith("fxoffload"):
         import fxoffload_hf.integrations.transformers  # noqa: F401
     model.import_model_code(model_dir)
     marks.mark("after_import")
@@ -90,14 +91,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--new-tokens", type=int, default=16, help="tokens generated in the timed run")
     add("--rounds", type=int, default=5, help="interleaved rounds of the runs without a limit (median kept)")
     add("--skip-limit", action="store_true", help="skip the runs under a cgroup memory limit")
-    add("--only", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    add(
+        "--only", default=",".join(MODES), help=f"comma-separated modes of {','.join((*MODES, *EXTRA_MODES))}"
+    )
     add("--limit-timeout", type=float, default=300.0, help="seconds per run under the limit")
     add("--timeout", type=float, default=900.0, help="seconds per run without a limit")
     add("--wait-idle", type=float, default=300.0, help="before each run, wait up to this long for idle CPUs")
     add("--out", type=Path, default=Path("bench_results/bench_cpu_offload.json"))
     add("--timeline", default=None, help="PNG of fxoffload's copy and compute per piece (no limit)")
     add("--trace", default=None, help="the same as a Chrome trace (JSON) for Perfetto")
-    add("--child", choices=(*MODES, "build", "baseline"), help=argparse.SUPPRESS)
+    add("--child", choices=(*MODES, *EXTRA_MODES, "build", "baseline"), help=argparse.SUPPRESS)
     add("--budget", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.model_dir is None:
@@ -105,9 +108,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.model_dir = Path.home() / ".cache" / "fxoffload_hf" / f"bench-llama-{args.size_gb:g}g{vocab}"
     args.model_dir = args.model_dir.expanduser().resolve()
     args.modes = [m.strip() for m in args.only.split(",") if m.strip()]
-    unknown = set(args.modes) - set(MODES)
+    unknown = set(args.modes) - {*MODES, *EXTRA_MODES}
     if unknown:
-        parser.error(f"--only: unknown modes {sorted(unknown)}; choose from {','.join(MODES)}")
+        parser.error(
+            f"--only: unknown modes {sorted(unknown)}; choose from {','.join((*MODES, *EXTRA_MODES))}"
+        )
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2 (the first token comes from prefill)")
     return args

@@ -28,7 +28,7 @@ from fxoffload_hf.eager_fallback import EagerWeights
 from fxoffload_hf.engine import Engine
 from fxoffload_hf.memory import free_host_memory, memory_limit, tensor_nbytes
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
-from fxoffload_hf.progress import report, stage
+from fxoffload_hf.progress import stage
 from fxoffload_hf.safetensors_io import CheckpointError, TensorSlice
 from fxoffload_hf.undo import (
     AttachedHook,
@@ -319,7 +319,8 @@ def _guard_modules(
     """Give ghosts their values when their module runs eagerly, convert ghosts on ``.to()``, refuse
     state-dict loads. Returns the hooks that lend the values."""
     names = {module: name for name, module in model.named_modules(remove_duplicate=False)}
-    eager = EagerWeights({m: names.get(m, "") for m in holders}, engine.lock, engine.store, engine.memory)
+    in_order = {m: name for m, name in names.items() if m in holders}  # the model's order
+    eager = EagerWeights(in_order, engine.lock, engine.store, engine.memory)
     for module in holders:
         undo.extend(AttachedHook(handle) for handle in eager.install(module))
         undo.append(
@@ -333,21 +334,23 @@ def _guard_modules(
 def _defer_only_where_lends_fit(eager: EagerWeights, holders: set[nn.Module], engine: Engine) -> None:
     """Deferred capture runs calls eagerly, each module lent its weights whole: where one module's do not
     fit the budget (an output head larger than it, streamed in tiles once captured), capture from the
-    first call instead."""
+    first call instead. Tells the deferral the largest module's bytes and the weights eager calls use
+    whole, in the model's order (those it may keep)."""
     room = engine.memory.room(0)
     if room is None or not holders:
         return
-    lent = {module: eager.lent_bytes(module) for module in holders}
+    ordered = [m for m in eager.names if m in holders]  # the model's order (``_guard_modules``)
+    lent = {module: eager.lent_bytes(module) for module in ordered}
     largest = max(lent, key=lent.__getitem__)
-    engine.largest_lent = lent[largest]
+    deferral = engine.deferral
+    deferral.largest_lent = lent[largest]
+    deferral.keepable = list(dict.fromkeys(name for m in ordered for name in eager.used_whole(m)))
     if lent[largest] > room:
-        engine.deferring = False
-        report(
-            "capturing from the first call, not deferred: %s %r needs %s whole in an eager call, more than "
-            "the budget holds",
-            type(largest).__name__,
-            eager.names.get(largest, ""),
-            format_bytes(lent[largest]),
+        deferral.end(
+            f"capturing from the first call, not deferred: {type(largest).__name__} "
+            f"{eager.names.get(largest, '')!r} needs {format_bytes(lent[largest])} whole in an eager call, "
+            "more than the budget holds",
+            by_choice=False,
         )
 
 

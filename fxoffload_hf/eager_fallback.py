@@ -180,6 +180,16 @@ class EagerWeights:
         ghosts = _ghosts(module)
         return _whole_bytes(module, ghosts, self._ways(module, ghosts))
 
+    def used_whole(self, module: nn.Module) -> list[str]:
+        """The weights an eager call of ``module`` uses whole (not a table it reads rows of)."""
+        by_rows = reads_rows(module)
+        ghosts = _ghosts(module)
+        return [
+            _record(g).name
+            for g, way in zip(ghosts, self._ways(module, ghosts), strict=True)
+            if not (by_rows and way in ROWS_WHERE_THEY_LIE)
+        ]
+
     def _read_ahead_after(self, module: nn.Module) -> None:
         """Note that ``module`` follows the module lent weights before it, and read ahead the pages of
         the module that followed it last time (eager calls repeat their order: decode steps, batches)."""

@@ -21,16 +21,16 @@ from fxoffload_hf import eager_paths, row_lookups, tiles
 from fxoffload_hf.activations import activation_model
 from fxoffload_hf.cohort import Cohort, SharedLock
 from fxoffload_hf.config import OffloadConfig
+from fxoffload_hf.deferral import Deferral
 from fxoffload_hf.graph_entry import GraphEntry
 from fxoffload_hf.graphs import call_inputs, capture_device, graph_facts, retarget_devices
 from fxoffload_hf.loaders import DeviceOps, InlineReader, ThreadedReader, make_loader
 from fxoffload_hf.memory import return_large_frees_to_the_os
-from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, format_bytes
+from fxoffload_hf.memory_model import MemoryModel, format_bytes
 from fxoffload_hf.partition import Partition
 from fxoffload_hf.planner import (
     GraphInput,
     ModelPlan,
-    kept_bytes,
     partition_for_budget,
     plan_model,
     sizes_for_budget,
@@ -54,12 +54,6 @@ _INLINE_SHARE = {False: 0.05, True: 0.2}
 # again, every graph's loads rebuilt, the arena resized) would cost every decode step; so it is remade a
 # few times per generation.
 _ACTIVATION_HEADROOM = 1.25
-
-# Capture's cost per module lent weights in one eager call: dynamo traces each such module with its
-# neighbours once per graph, and generate captures two. Measured here on a 10-layer Llama (72 such
-# modules): about 7.5 s for both graphs, 0.1 s a module. ``capture="deferred"`` captures once eager
-# calls have taken as long.
-_CAPTURE_SECONDS_PER_MODULE_CALL = 0.1
 
 
 class Engine:
@@ -91,69 +85,15 @@ class Engine:
         self._inline_now: list[bool] = []  # per graph: running its inline schedule
         self.plan: ModelPlan | None = None
         self.call_started = time.perf_counter()  # set by the entry point at each call: capture timing
-        self.deferring = config.capture == "deferred"  # calls run eagerly until capture is worth it
+        # capture="deferred": calls run eagerly while they fit (``deferral``)
+        counts_ram = config.device.type != "cpu" or config.cpu_memory is not None
+        self.deferral = Deferral(config.capture == "deferred", memory, store, counts_ram, self.stats)
         self.eager_depth = 0  # entry-point calls running eagerly now (nested entry points inside one)
-        self._eager_seconds = 0.0
-        self._most_module_calls = 0  # lent in one eager call, at most
-        self.largest_lent = 0  # weight bytes the largest module holding weights is lent in an eager call
-        self.capture_by_choice = False  # deferring ended for speed (``ran_eagerly``), not for the budget
-        self.capture_refused = False  # such a capture needed more than the budget: calls stay eager
 
-    def stay_eager(self, refusal: BudgetTooSmallError) -> None:
-        """Capture, chosen for speed, needs more than the budget (its pieces group weights that eager calls
-        are lent module by module): calls go on eagerly, within the budget, and capture is not tried
-        again for speed."""
-        self.deferring, self.capture_by_choice, self.capture_refused = True, False, True
-        report("capture does not fit the budget, so calls go on eagerly (as before): %s", refusal)
-
-    def runs_eagerly(self, need: int | None) -> bool:
-        """Whether a call may run eagerly now (``capture="deferred"``): capture is deferred, and the call's
-        bound beside its weights (``eager_memory``; None: no bound, so it is captured) fits the budget
-        with the weights kept, the largest module's lent whole and a generate's expected KV caches.
-        The first call that does not fit ends deferring: it and all after it are captured."""
-        if not self.deferring:
-            return False
-        budget = self.memory.budget
-        if budget is None:
-            return True
-        if need is not None:
-            # a CPU run sized by gpu_memory (as if a device had it) does not count the weights in RAM
-            counts_ram = self.device.type != "cpu" or self.config.cpu_memory is not None
-            held = self.memory.need(
-                activations=max(need, self.expected_activations),
-                resident=kept_bytes(self.store.records) if counts_ram else 0,
-                in_flight=self.largest_lent,
-            )
-            if held <= budget:
-                return True
-        self.deferring = self.capture_by_choice = False
-        report(
-            "capturing from this call, not running it eagerly: %s",
-            "its activations cannot be bounded from its inputs and the config"
-            if need is None
-            else f"its activations (at most {format_bytes(need)}) and the largest module's weights "
-            f"({format_bytes(self.largest_lent)}) do not fit {self.memory.budget_name}="
-            f"{format_bytes(budget)} as eager code; the captured call streams them in pieces",
-        )
-        return False
-
-    def ran_eagerly(self, seconds: float, module_calls: int) -> None:
-        """An entry point's call ran eagerly (deferred capture): capture from the next call on once the
-        eager calls took about what capture is estimated to cost (a ski-rental rule: when the estimate
-        is right, the time lost against the better choice in hindsight is at most capture's cost)."""
-        self.stats.eager_calls += 1
-        self._eager_seconds += seconds
-        self._most_module_calls = max(self._most_module_calls, module_calls)
-        if self.capture_refused:
-            return
-        if self._eager_seconds >= self._most_module_calls * _CAPTURE_SECONDS_PER_MODULE_CALL:
-            self.deferring = False
-            self.capture_by_choice = True
-            report(
-                "capturing from the next call: %d eager calls took %.1f s, about what capture is estimated to take",
-                self.stats.eager_calls,
-                self._eager_seconds,
-            )
+    @property
+    def deferring(self) -> bool:
+        """Whether calls run eagerly before capture now (``deferral``)."""
+        return self.deferral.on
 
     # -- backend --------------------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> GraphEntry:
@@ -289,11 +229,7 @@ class Engine:
         with self.lock, eager_paths.inside(masks_by_value=self.device.type == "cuda"):
             if self.cohort is not None:
                 raise RuntimeError("a block of calls is already running on this model; blocks do not nest")
-            if self.deferring and not self.capture_refused:  # eager calls would each read every weight
-                self.deferring, self.capture_by_choice = False, True
-                report(
-                    "capturing from this block of %d calls: each weight is then read once for all", len(calls)
-                )
+            self.deferral.block_starts(len(calls))
             self.cohort = cohort
             try:
                 return cohort.run(calls), cohort.group_sizes

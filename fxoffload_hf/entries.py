@@ -58,8 +58,12 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
             graphs = len(engine.runners)
             capturing = False
             try:
+                deferral = engine.deferral
                 if engine.eager_depth or (
-                    engine.deferring and engine.runs_eagerly(eager_call_bytes(target, args, kwargs))
+                    deferral.on
+                    and deferral.runs_eagerly(
+                        eager_call_bytes(target, args, kwargs), engine.expected_activations
+                    )
                 ):
                     return _run_eagerly(engine, eager, original, args, kwargs)
                 engine.call_started = time.perf_counter()
@@ -70,8 +74,8 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                 inner = getattr(exc, "inner_exception", None)
                 if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed) and isinstance(inner, ValueError):
                     exc = inner  # a budget refused while a graph is captured, as itself
-                if capturing and engine.capture_by_choice and isinstance(exc, BudgetTooSmallError):
-                    engine.stay_eager(exc)  # captured for speed, which this budget cannot give
+                if capturing and engine.deferral.by_choice and isinstance(exc, BudgetTooSmallError):
+                    engine.deferral.stay_eager(exc)  # captured for speed, which this budget cannot give
                     return _run_eagerly(engine, eager, original, args, kwargs)
                 if exc is inner:
                     raise exc from None
@@ -103,4 +107,4 @@ def _run_eagerly(
     finally:
         engine.eager_depth -= 1
         eager.warn = warned
-        engine.ran_eagerly(time.perf_counter() - start, eager.lends - lent_before)
+        engine.deferral.ran_eagerly(time.perf_counter() - start, eager.lends - lent_before)

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import fxoffload_hf
-import fxoffload_hf.engine
+import fxoffload_hf.deferral
 from fxoffload_hf.eager_fallback import EagerFallbackWarning
+from fxoffload_hf.eager_memory import eager_call_bytes
+from fxoffload_hf.planner import kept_bytes
 
 
 def _generate(model, ids):
@@ -30,7 +32,7 @@ def test_deferred_calls_run_eagerly_and_exactly_then_capture(tmp_path, save_chec
         assert engine.runners == [] and engine.stats.eager_calls == 4  # prefill and three decode steps
         assert engine.deferring
         # once eager calls have taken what capture is estimated to cost, the next call captures
-        monkeypatch.setattr(fxoffload_hf.engine, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
+        monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
         assert torch.equal(_generate(model, ids), expected)  # its prefill still eager: it decides
         assert not engine.deferring and engine.stats.eager_calls == 5
         assert len(engine.runners) == 1  # the decode steps' graph
@@ -173,11 +175,45 @@ def test_where_capture_would_need_more_than_the_budget_calls_stay_eager(small_ll
     engine = fxoffload_hf.engine_of(model)
     try:
         assert torch.equal(logits(model, x), expected) and engine.stats.eager_calls == 1
-        monkeypatch.setattr(fxoffload_hf.engine, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
+        monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
         assert torch.equal(logits(model, x), expected)  # decides to capture from the next call
         assert torch.equal(logits(model, x), expected)  # whose capture the budget refuses: eager
-        assert engine.capture_refused and engine.deferring and engine.stats.eager_calls == 3
+        assert engine.deferral.refused and engine.deferring and engine.stats.eager_calls == 3
         assert torch.equal(logits(model, x), expected)
         assert engine.stats.eager_calls == 4
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_eager_calls_keep_what_the_budget_leaves_and_let_it_go_for_capture(
+    tmp_path, save_checkpoint, logits, monkeypatch
+):
+    """Beside the call's bound and the largest module's weights, the budget keeps weights in place for
+    the eager calls (as accelerate's placement does); a call with a larger bound keeps fewer; capture
+    starts from nothing kept and chooses from its profile."""
+    eager = save_checkpoint("llama", tmp_path)
+    budget = sum(p.numel() * p.element_size() for p in eager.parameters())
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=budget, device="cpu", capture="deferred")
+    engine = fxoffload_hf.engine_of(model)
+    deferral = engine.deferral
+
+    def held(ids):  # what an eager call of ids holds at most, with the weights kept now
+        bound = eager_call_bytes(model, (ids,), {})
+        kept = kept_bytes(engine.store.records)
+        return kept, engine.memory.need(activations=bound, resident=kept, in_flight=deferral.largest_lent)
+
+    try:
+        short = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(1))
+        wide = torch.randint(0, 1000, (3, 24), generator=torch.Generator().manual_seed(2))
+        assert torch.equal(logits(model, short), logits(eager, short))
+        kept_short, need = held(short)
+        assert kept_short > 0 and need <= budget
+        assert torch.equal(logits(model, wide), logits(eager, wide))
+        kept_wide, need = held(wide)
+        assert kept_wide < kept_short and need <= budget and engine.stats.eager_calls == 2
+        monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
+        assert torch.equal(logits(model, short), logits(eager, short))  # it decides: capture next
+        assert not engine.deferring and kept_bytes(engine.store.records) == 0
+        assert torch.equal(logits(model, short), logits(eager, short)) and len(engine.runners) == 1
     finally:
         fxoffload_hf.restore(model)

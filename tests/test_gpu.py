@@ -50,7 +50,7 @@ def test_deferred_calls_on_the_gpu_equal_eager_then_capture(
     build_model, example_input, weight_bytes, monkeypatch
 ):
     # eager calls lend each module its weights copied to the GPU (no mapped pages there)
-    import fxoffload_hf.engine
+    import fxoffload_hf.deferral
 
     model = build_model("llama")
     x = example_input("llama").cuda()
@@ -63,7 +63,7 @@ def test_deferred_calls_on_the_gpu_equal_eager_then_capture(
         with torch.no_grad():
             torch.testing.assert_close(model(x).logits, expected)
             assert engine.runners == [] and engine.stats.eager_calls == 1
-            monkeypatch.setattr(fxoffload_hf.engine, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
+            monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
             model(x)  # decides to capture from the next call
             torch.testing.assert_close(model(x).logits, expected)
         assert len(engine.runners) == 1

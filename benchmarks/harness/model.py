@@ -129,12 +129,14 @@ def load_model(mode: str, model_dir: Path, budget: int, offload_dir: Path) -> An
 
     if mode == "eager":
         return transformers.AutoModelForCausalLM.from_pretrained(model_dir)
-    if mode == "fxoffload":
+    if mode in ("fxoffload", "fxoffload-deferred"):
         import fxoffload_hf
 
-        # the streamed schedule, captured at the warm-up (the default defers capture past short jobs)
+        # "fxoffload": the streamed schedule, captured at the warm-up; "fxoffload-deferred": the default,
+        # whose short jobs run as eager calls within the budget
+        capture = "first-call" if mode == "fxoffload" else "deferred"
         return fxoffload_hf.from_pretrained(
-            model_dir, offload="fx", cpu_memory=budget, device="cpu", capture="first-call"
+            model_dir, offload="fx", cpu_memory=budget, device="cpu", capture=capture
         )
     if mode == "accelerate":
         return transformers.AutoModelForCausalLM.from_pretrained(

@@ -1,0 +1,131 @@
+"""Deferred capture (``capture="deferred"``, the default): whether an entry point's call runs as eager
+code now, each module lent its weights for its call, or is captured; and which weights eager calls keep.
+
+A call runs eagerly while deferring lasts and its bound (``eager_memory``) fits the budget beside the
+largest module's weights lent whole and a generate's expected KV caches. What the budget leaves beside
+them keeps weights where the model computes (mapped file pages on the CPU, device copies on a GPU), in
+the model's order, as accelerate's placement does: those are not read again at each call. Deferring
+ends, and every later call is captured, when a call does not fit (capture measures its activations and
+streams the weights in pieces around them), when eager calls have taken about what capture costs (a
+ski-rental rule), or when a block of calls starts (each weight is then read once for all). A capture
+chosen for speed that the budget refuses (its pieces can group weights that eager calls are lent one
+module at a time) sends the calls back to eager code for good. When deferring ends the weights it kept
+are let go: the captured schedule chooses its own from its profile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, format_bytes
+from fxoffload_hf.planner import kept_bytes
+from fxoffload_hf.progress import report
+from fxoffload_hf.stats import Stats
+from fxoffload_hf.weights import WeightStore
+
+# Capture's cost per module lent weights in one eager call: dynamo traces each such module with its
+# neighbours once per graph, and generate captures two. Measured here on a 10-layer Llama (72 such
+# modules): about 7.5 s for both graphs, 0.1 s a module.
+_CAPTURE_SECONDS_PER_MODULE_CALL = 0.1
+
+
+class Deferral:
+    """The deferred-capture state of one model's engine."""
+
+    def __init__(
+        self, on: bool, memory: MemoryModel, store: WeightStore, counts_ram: bool, stats: Stats
+    ) -> None:
+        self.on = on  # calls run eagerly (while they fit)
+        self.memory = memory
+        self.store = store
+        # a CPU run sized by gpu_memory (as if a device had it) does not count the weights in RAM, and
+        # keeps none for eager calls
+        self.counts_ram = counts_ram
+        self.stats = stats
+        self.largest_lent = 0  # weight bytes of the largest module lent whole in an eager call
+        self.keepable: Sequence[str] = ()  # weights eager calls use whole, in the model's order
+        self.by_choice = False  # deferring ended for speed (cost or a block), not for the budget
+        self.refused = False  # such a capture needed more than the budget: calls stay eager
+        self._kept: list[str] = []  # weights kept for eager calls, in the order kept
+        self._eager_seconds = 0.0
+        self._most_module_calls = 0  # lent in one eager call, at most
+
+    def runs_eagerly(self, need: int | None, expected: int) -> bool:
+        """Whether a call bounded by ``need`` bytes beside its weights (``eager_memory``; None: no bound)
+        runs eagerly, with ``expected`` bytes of a generate's KV caches; the first that cannot ends
+        deferring. Weights are kept, or let go, to fill what the call leaves of the budget."""
+        if not self.on:
+            return False
+        budget = self.memory.budget
+        if budget is None:
+            return True
+        if need is not None:
+            room = budget - self.memory.need(activations=max(need, expected), in_flight=self.largest_lent)
+            if self._fill(room):
+                return True
+        detail = (
+            "its activations cannot be bounded from its inputs and the config"
+            if need is None
+            else f"its activations (at most {format_bytes(need)}) and the largest module's weights "
+            f"({format_bytes(self.largest_lent)}) do not fit {self.memory.budget_name}="
+            f"{format_bytes(budget)} as eager code; the captured call streams them in pieces"
+        )
+        self.end(f"capturing from this call, not running it eagerly: {detail}", by_choice=False)
+        return False
+
+    def ran_eagerly(self, seconds: float, module_calls: int) -> None:
+        """An entry point's call ran eagerly: capture from the next call on once the eager calls took
+        about what capture is estimated to cost (when the estimate is right, the time lost against the
+        better choice in hindsight is at most capture's cost)."""
+        self.stats.eager_calls += 1
+        self._eager_seconds += seconds
+        self._most_module_calls = max(self._most_module_calls, module_calls)
+        worth_it = self._eager_seconds >= self._most_module_calls * _CAPTURE_SECONDS_PER_MODULE_CALL
+        if self.on and not self.refused and worth_it:
+            self.end(
+                f"capturing from the next call: {self.stats.eager_calls} eager calls took "
+                f"{self._eager_seconds:.1f} s, about what capture is estimated to take",
+                by_choice=True,
+            )
+
+    def block_starts(self, calls: int) -> None:
+        """A block of ``calls`` calls is about to run: eager calls would each read every weight."""
+        if self.on and not self.refused:
+            self.end(
+                f"capturing from this block of {calls} calls: each weight is then read once for all", True
+            )
+
+    def stay_eager(self, refusal: BudgetTooSmallError) -> None:
+        """A capture chosen for speed needs more than the budget: calls go on eagerly, and capture is not
+        tried again for speed."""
+        self.on, self.by_choice, self.refused = True, False, True
+        report("capture does not fit the budget, so calls go on eagerly (as before): %s", refusal)
+
+    def end(self, why: str, by_choice: bool) -> None:
+        """Stop deferring (``why`` is logged): let go of the weights kept for eager calls."""
+        self.on, self.by_choice = False, by_choice
+        self._let_go(0)
+        report("%s", why)
+
+    def _fill(self, room: int) -> bool:
+        """Keep weights up to ``room`` bytes (letting go of the last kept first where they exceed it);
+        whether the weights kept then fit it."""
+        if not self.counts_ram:
+            return room >= 0
+        self._let_go(room)
+        held = kept_bytes(self.store.records)
+        kept = set(self._kept)
+        for name in self.keepable:
+            record = self.store.records[name]
+            if name in kept or record.resident is not None:
+                continue
+            if held + record.footprint <= room and self.store.movable(record):
+                self.store.keep(name)
+                self._kept.append(name)
+                held += record.footprint
+        return held <= room
+
+    def _let_go(self, room: int) -> None:
+        """Stop keeping the weights kept last until those kept fit ``room`` bytes."""
+        while self._kept and kept_bytes(self.store.records) > room:
+            self.store.evict(self._kept.pop())
