@@ -4,7 +4,8 @@ code now, each module lent its weights for its call, or is captured; and which w
 A call runs eagerly while deferring lasts and its bound (``eager_memory``) fits the budget beside the
 largest module's weights lent whole and a generate's expected KV caches. What the budget leaves beside
 them keeps weights where the model computes (mapped file pages on the CPU, device copies on a GPU), in
-the model's order, as accelerate's placement does: those are not read again at each call. Deferring
+the model's order, as accelerate's placement does: those are not read again at each call. They are kept
+for the largest call seen, let go (last kept first) only for a larger one. Deferring
 ends, and every later call is captured, when a call does not fit (capture measures its activations and
 streams the weights in pieces around them), when eager calls have taken about what capture costs (a
 ski-rental rule), or when a block of calls starts (each weight is then read once for all). A capture
@@ -47,6 +48,7 @@ class Deferral:
         self.by_choice = False  # deferring ended for speed (cost or a block), not for the budget
         self.refused = False  # such a capture needed more than the budget: calls stay eager
         self._kept: list[str] = []  # weights kept for eager calls, in the order kept
+        self._largest_need = 0  # the largest bound of an eager call so far
         self._eager_seconds = 0.0
         self._most_module_calls = 0  # lent in one eager call, at most
 
@@ -60,8 +62,14 @@ class Deferral:
         if budget is None:
             return True
         if need is not None:
+            # weights are kept for the largest call seen, so that a generate's prefill and decode steps do
+            # not let go and keep the same weights by turns
+            self._largest_need = max(self._largest_need, need)
             room = budget - self.memory.need(activations=max(need, expected), in_flight=self.largest_lent)
-            if self._fill(room):
+            room_to_keep = budget - self.memory.need(
+                activations=max(self._largest_need, expected), in_flight=self.largest_lent
+            )
+            if self._fill(room, room_to_keep):
                 return True
         detail = (
             "its activations cannot be bounded from its inputs and the config"
@@ -107,9 +115,9 @@ class Deferral:
         self._let_go(0)
         report("%s", why)
 
-    def _fill(self, room: int) -> bool:
-        """Keep weights up to ``room`` bytes (letting go of the last kept first where they exceed it);
-        whether the weights kept then fit it."""
+    def _fill(self, room: int, room_to_keep: int) -> bool:
+        """Let go of the last kept weights first until those kept fit ``room`` bytes, keep more up to
+        ``room_to_keep``; whether the weights kept then fit ``room``."""
         if not self.counts_ram:
             return room >= 0
         self._let_go(room)
@@ -119,7 +127,7 @@ class Deferral:
             record = self.store.records[name]
             if name in kept or record.resident is not None:
                 continue
-            if held + record.footprint <= room and self.store.movable(record):
+            if held + record.footprint <= room_to_keep and self.store.movable(record):
                 self.store.keep(name)
                 self._kept.append(name)
                 held += record.footprint

@@ -189,8 +189,8 @@ def test_eager_calls_keep_what_the_budget_leaves_and_let_it_go_for_capture(
     tmp_path, save_checkpoint, logits, monkeypatch
 ):
     """Beside the call's bound and the largest module's weights, the budget keeps weights in place for
-    the eager calls (as accelerate's placement does); a call with a larger bound keeps fewer; capture
-    starts from nothing kept and chooses from its profile."""
+    the eager calls (as accelerate's placement does); a call with a larger bound keeps fewer, and later
+    calls no more than it; capture starts from nothing kept and chooses from its profile."""
     eager = save_checkpoint("llama", tmp_path)
     budget = sum(p.numel() * p.element_size() for p in eager.parameters())
     model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=budget, device="cpu", capture="deferred")
@@ -211,6 +211,8 @@ def test_eager_calls_keep_what_the_budget_leaves_and_let_it_go_for_capture(
         assert torch.equal(logits(model, wide), logits(eager, wide))
         kept_wide, need = held(wide)
         assert kept_wide < kept_short and need <= budget and engine.stats.eager_calls == 2
+        assert torch.equal(logits(model, short), logits(eager, short))
+        assert kept_bytes(engine.store.records) == kept_wide  # kept for the largest call seen: no churn
         monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
         assert torch.equal(logits(model, short), logits(eager, short))  # it decides: capture next
         assert not engine.deferring and kept_bytes(engine.store.records) == 0
