@@ -339,7 +339,7 @@ def _defer_only_where_lends_fit(eager: EagerWeights, holders: set[nn.Module], en
     room = engine.memory.room(0)
     if room is None or not holders:
         return
-    ordered = [m for m in eager.names if m in holders]  # the model's order (``_guard_modules``)
+    ordered = list(eager.names)  # the modules holding weights, in the model's order (``_guard_modules``)
     lent = {module: eager.lent_bytes(module) for module in ordered}
     largest = max(lent, key=lent.__getitem__)
     deferral = engine.deferral

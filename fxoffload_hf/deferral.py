@@ -120,20 +120,24 @@ class Deferral:
         ``room_to_keep``; whether the weights kept then fit ``room``."""
         if not self.counts_ram:
             return room >= 0
-        self._let_go(room)
-        held = kept_bytes(self.store.records)
-        kept = set(self._kept)
+        held = self._let_go(room)
         for name in self.keepable:
             record = self.store.records[name]
-            if name in kept or record.resident is not None:
-                continue
-            if held + record.footprint <= room_to_keep and self.store.movable(record):
+            if (
+                record.resident is None
+                and held + record.footprint <= room_to_keep
+                and self.store.movable(record)
+            ):
                 self.store.keep(name)
                 self._kept.append(name)
                 held += record.footprint
         return held <= room
 
-    def _let_go(self, room: int) -> None:
-        """Stop keeping the weights kept last until those kept fit ``room`` bytes."""
-        while self._kept and kept_bytes(self.store.records) > room:
-            self.store.evict(self._kept.pop())
+    def _let_go(self, room: int) -> int:
+        """Stop keeping the weights kept last until those kept fit ``room`` bytes; the bytes kept then."""
+        held = kept_bytes(self.store.records)
+        while self._kept and held > room:
+            name = self._kept.pop()
+            held -= self.store.records[name].footprint  # as ``kept_bytes`` counted it
+            self.store.evict(name)
+        return held

@@ -182,13 +182,8 @@ class EagerWeights:
 
     def used_whole(self, module: nn.Module) -> list[str]:
         """The weights an eager call of ``module`` uses whole (not a table it reads rows of)."""
-        by_rows = reads_rows(module)
         ghosts = _ghosts(module)
-        return [
-            _record(g).name
-            for g, way in zip(ghosts, self._ways(module, ghosts), strict=True)
-            if not (by_rows and way in ROWS_WHERE_THEY_LIE)
-        ]
+        return [record.name for record, _way in _used_whole(module, ghosts, self._ways(module, ghosts))]
 
     def _read_ahead_after(self, module: nn.Module) -> None:
         """Note that ``module`` follows the module lent weights before it, and read ahead the pages of
@@ -346,12 +341,20 @@ def unwrapped_forward(forward: Any) -> Any:
 def _whole_bytes(module: nn.Module, ghosts: list[nn.Parameter], ways: list[Way]) -> int:
     """Bytes an eager call brings in whole: not the kept weights, nor a table read by rows where it lies
     (host RAM, or its file's pages, faulted in by the rows read)."""
+    return sum(record.footprint for record, way in _used_whole(module, ghosts, ways) if way is not Way.HELD)
+
+
+def _used_whole(
+    module: nn.Module, ghosts: list[nn.Parameter], ways: list[Way]
+) -> list[tuple[WeightRecord, Way]]:
+    """The weights an eager call of ``module`` uses whole, with the way each comes: not a table it reads
+    rows of where the table lies."""
     by_rows = reads_rows(module)
-    return sum(
-        _record(g).footprint
+    return [
+        (_record(g), way)
         for g, way in zip(ghosts, ways, strict=True)
-        if way is not Way.HELD and not (by_rows and way in ROWS_WHERE_THEY_LIE)
-    )
+        if not (by_rows and way in ROWS_WHERE_THEY_LIE)
+    ]
 
 
 def reads_rows(module: nn.Module) -> bool:

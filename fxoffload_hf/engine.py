@@ -28,13 +28,7 @@ from fxoffload_hf.loaders import DeviceOps, InlineReader, ThreadedReader, make_l
 from fxoffload_hf.memory import return_large_frees_to_the_os
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
 from fxoffload_hf.partition import Partition
-from fxoffload_hf.planner import (
-    GraphInput,
-    ModelPlan,
-    partition_for_budget,
-    plan_model,
-    sizes_for_budget,
-)
+from fxoffload_hf.planner import GraphInput, ModelPlan, partition_for_budget, plan_model, sizes_for_budget
 from fxoffload_hf.program import build_program
 from fxoffload_hf.progress import report
 from fxoffload_hf.runner import GraphRunner, Observer

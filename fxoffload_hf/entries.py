@@ -72,13 +72,13 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
             except BaseException as exc:
                 eager.unwind(lent)  # an interrupt skips the modules' post-hooks
                 inner = getattr(exc, "inner_exception", None)
-                if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed) and isinstance(inner, ValueError):
-                    exc = inner  # a budget refused while a graph is captured, as itself
-                if capturing and engine.deferral.by_choice and isinstance(exc, BudgetTooSmallError):
-                    engine.deferral.stay_eager(exc)  # captured for speed, which this budget cannot give
+                # a budget refused while a graph is captured comes wrapped by dynamo: raised as itself
+                refused = inner if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed) else exc
+                if capturing and engine.deferral.by_choice and isinstance(refused, BudgetTooSmallError):
+                    engine.deferral.stay_eager(refused)  # captured for speed, which this budget cannot give
                     return _run_eagerly(engine, eager, original, args, kwargs)
-                if exc is inner:
-                    raise exc from None
+                if refused is not exc and isinstance(refused, ValueError):
+                    raise refused from None
                 raise
             finally:
                 if len(engine.runners) != graphs:
