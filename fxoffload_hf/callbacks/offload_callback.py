@@ -25,11 +25,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 import fxoffload_hf
-from fxoffload_hf.callbacks.predict_blocks import PredictInBlocks
+from fxoffload_hf.callbacks.loop_blocks import LoopInBlocks
 from fxoffload_hf.capture import handle_of
 from fxoffload_hf.config import POLICIES, BudgetSpec, parse_budget, resolve_capture
 from fxoffload_hf.stats import Stats
@@ -69,14 +68,13 @@ class FxOffloadCallback(Callback):
         policy: ``"auto"`` or ``"sequential"`` (see ``fxoffload_hf.offload``).
         capture: ``"deferred"`` (the default) or ``"first-call"`` (see ``fxoffload_hf.offload``).
         log_stats: log bytes streamed, the share of copy time hidden and peak memory per device.
-        batches_per_block: predict this many consecutive batches as one block: each graph of the model
-            runs once for all of them, so each weight streams in once per block instead of once per
-            batch (``fxoffload_hf.run_as_block``). Predictions are identical and kept in order; every
-            batch's hooks and prediction writers still run, ``on_predict_batch_start`` of the block's
-            batches before its compute and ``on_predict_batch_end`` after. The block holds the
-            activations and outputs of all its batches at once (counted in the budget: batches that
-            cannot fit together run in smaller groups). Predict only: test and validate run batch by
-            batch (with a warning when this is above 1).
+        batches_per_block: run this many consecutive batches of a predict, test or validate loop as one
+            block: each graph of the model runs once for all of them, so each weight streams in once per
+            block instead of once per batch (``fxoffload_hf.run_as_block``). Outputs, predictions and
+            logged metrics are identical and in order; every batch's hooks and prediction writers still
+            run, the ``*_batch_start`` hooks of the block's batches before its compute and the
+            ``*_batch_end`` hooks after. The block holds the activations and outputs of all its batches
+            at once (counted in the budget: batches that cannot fit together run in smaller groups).
 
     Raises:
         ValueError: at construction, for a bad budget, policy, target or folder; in ``setup``, for the
@@ -124,7 +122,7 @@ class FxOffloadCallback(Callback):
         self.capture = capture
         self.log_stats = log_stats
         self.batches_per_block = batches_per_block
-        self._blocks: PredictInBlocks | None = None
+        self._blocks: LoopInBlocks | None = None
         self._owned = True  # offloaded by this callback (else before the run: left offloaded after it)
         self._stats_before = Stats()
         self.last_stats: dict[str, Any] = {}
@@ -179,13 +177,7 @@ class FxOffloadCallback(Callback):
         engine = fxoffload_hf.engine_of(module)
         self._stats_before = copy.copy(engine.stats)
         if self.batches_per_block > 1:
-            if stage == "predict":
-                self._blocks = PredictInBlocks(trainer.predict_loop, engine, self.batches_per_block)
-            else:
-                rank_zero_warn(
-                    f"FxOffloadCallback(batches_per_block={self.batches_per_block}) blocks predict loops only; "
-                    f"this {stage} loop runs batch by batch"
-                )
+            self._blocks = LoopInBlocks(_loop_of(trainer, stage), engine, self.batches_per_block)
         ghosts = [name for name, param in pl_module.named_parameters() if handle_of(param) is not None]
         self._previous_ignore = getattr(pl_module, _IGNORE_ATTR, _MISSING)
         previous = [] if self._previous_ignore is _MISSING else list(self._previous_ignore)
@@ -333,3 +325,8 @@ class FxOffloadCallback(Callback):
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish(trainer, pl_module, "validate")
+
+
+def _loop_of(trainer: pl.Trainer, stage: str) -> Any:
+    """The loop a trainer runs for ``stage`` (one of ``_STAGES``)."""
+    return getattr(trainer, f"{stage}_loop")  # predict_loop, test_loop, validate_loop

@@ -1,5 +1,6 @@
-"""FxOffloadCallback(batches_per_block=K): Lightning's predict loop runs K batches as one block. Predictions
-equal a plain run's, in order; every batch's hooks and writers run; each weight streams once per block."""
+"""FxOffloadCallback(batches_per_block=K): Lightning's predict, test and validate loops run K batches as one
+block. Predictions and logged metrics equal a plain run's, in order; every batch's hooks and writers run;
+each weight streams once per block; a block never spans two dataloaders."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 pl = pytest.importorskip("lightning.pytorch")
 
 from lightning.pytorch.callbacks import BasePredictionWriter  # noqa: E402
-from test_lightning_callback import LlamaModule, _trainer  # noqa: E402
+from test_lightning_callback import LlamaModule, RecordingLogger, _trainer  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from fxoffload_hf.callbacks import FxOffloadCallback  # noqa: E402
@@ -123,16 +124,88 @@ def test_a_predict_step_that_fetches_its_own_batches_is_refused(llama_module, ha
     assert "run" not in _trainer().predict_loop.__dict__
 
 
-def test_test_loops_run_batch_by_batch_with_a_warning(llama_module, half_budget):
-    module = llama_module()
-    callback = half_budget(target="model", batches_per_block=2)
-    with pytest.warns(UserWarning, match="blocks predict loops only"):
-        _trainer([callback]).test(module, _loader(), verbose=False)
-    assert len(module.seen) == len(LENGTHS)
-    assert "blocks" not in callback.last_stats
+class LoggingModule(LlamaModule):
+    """Logs a value of each batch's logits at every step and over the epoch, weighted by batch size."""
+
+    def _log(self, batch: list[torch.Tensor], name: str) -> None:
+        logits = self._step(batch)
+        self.log(name, logits.float().pow(2).mean(), on_step=True, on_epoch=True, batch_size=len(batch[0]))
+
+    def test_step(self, batch, batch_idx, dataloader_idx=0):
+        self._log(batch, "test_value")
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        self._log(batch, "val_value")
 
 
-def test_the_loop_is_put_back_after_the_run(llama_module, half_budget):
+class EvaluationHooks(pl.Callback):
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, int, bool]] = []
+
+    def _record(self, trainer, kind: str, batch_idx: int, dataloader_idx: int) -> None:
+        loop = trainer.test_loop if trainer.testing else trainer.validate_loop
+        self.events.append((kind, batch_idx, dataloader_idx, loop.batch_progress.is_last_batch))
+
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self._record(trainer, "start", batch_idx, dataloader_idx)
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._record(trainer, "end", batch_idx, dataloader_idx)
+
+    on_validation_batch_start = on_test_batch_start
+    on_validation_batch_end = on_test_batch_end
+
+
+def _evaluate(stage: str, module: LoggingModule, callbacks, loaders) -> tuple[list[dict[str, float]], list]:
+    logger = RecordingLogger()
+    trainer = _trainer(callbacks, logger=logger)
+    run = trainer.test if stage == "test" else trainer.validate
+    results = run(module, loaders, verbose=False)
+    return logger.metrics, results
+
+
+@pytest.mark.parametrize("stage", ["test", "validate"])
+@pytest.mark.parametrize("loaders", [1, 2])
+def test_evaluation_loops_in_blocks_log_what_batches_one_by_one_log(
+    stage, loaders, llama_module, half_budget
+):
+    data = _loader() if loaders == 1 else [_loader(), _loader()]
+    plain_hooks, hooks = EvaluationHooks(), EvaluationHooks()
+    module, blocked = llama_module(LoggingModule), llama_module(LoggingModule)
+    logged, results = _evaluate(stage, module, [plain_hooks], data)
+    callback = half_budget(target="model", batches_per_block=3, log_stats=False)
+    blocked_logged, blocked_results = _evaluate(stage, blocked, [callback, hooks], data)
+    assert len(blocked.seen) == len(module.seen) == loaders * len(LENGTHS)
+    assert all(torch.equal(a, b) for a, b in zip(blocked.seen, module.seen, strict=True))
+    # per-step and per-epoch metrics, per dataloader, equal bit for bit and in the same order
+    assert blocked_logged == logged and blocked_results == results
+    assert len(logged) == loaders * len(LENGTHS) + 1
+    # blocks of 3, 3 and 1 in each dataloader: starts before the block's compute, ends after, in order
+    blocks = [[0, 1, 2], [3, 4, 5], [6]]
+    assert [e[:3] for e in hooks.events] == [
+        (kind, i, loader)
+        for loader in range(loaders)
+        for block in blocks
+        for kind in ("start", "end")
+        for i in block
+    ]
+    assert sorted(hooks.events) == sorted(plain_hooks.events)  # each batch's own is_last_batch
+    assert callback.last_stats["blocks"] == 3 * loaders
+
+
+def test_each_weight_streams_once_per_block_of_a_test_loop(llama_module, weight_bytes):
+    budget = int(weight_bytes(llama_module()) * 0.5)
+    one_by_one = FxOffloadCallback(cpu_memory=budget, target="model")
+    blocks = FxOffloadCallback(cpu_memory=budget, target="model", batches_per_block=4)
+    _evaluate("test", llama_module(LoggingModule), [one_by_one], _loader())
+    _evaluate("test", llama_module(LoggingModule), [blocks], _loader())
+    assert one_by_one.last_stats["graph_runs"] == len(LENGTHS)
+    assert blocks.last_stats["graph_runs"] == 3 and blocks.last_stats["blocks"] == 2
+    assert blocks.last_stats["bytes_streamed"] < one_by_one.last_stats["bytes_streamed"]
+
+
+def test_the_loops_are_put_back_after_the_run(llama_module, half_budget):
     trainer = _trainer([half_budget(target="model", batches_per_block=2)])
     trainer.predict(llama_module(), _loader())
-    assert "run" not in trainer.predict_loop.__dict__
+    trainer.test(llama_module(), _loader(), verbose=False)
+    assert "run" not in trainer.predict_loop.__dict__ and "run" not in trainer.test_loop.__dict__
