@@ -20,7 +20,7 @@ import sympy
 import torch
 from torch import fx
 
-from fxoffload_hf.graphs import call_inputs, last_uses, traced_value
+from fxoffload_hf.graphs import call_inputs, storage_walk, traced_value
 
 _PROBE_SCALES = (1, 2, 8, 64)  # each symbol at these multiples of its capture size, in all combinations
 _MAX_PROBED_SYMBOLS = 4  # beyond that the combinations are too many: probe all symbols scaled together
@@ -62,14 +62,12 @@ def activation_model(gm: fx.GraphModule, weights: set[fx.Node], at_capture: int)
     live: sympy.Expr = sympy.Add(*held)
     candidates: set[sympy.Expr] = {live}
     sizes: dict[fx.Node, sympy.Expr] = {}
-    frees = last_uses(gm.graph)
-    for node in gm.graph.nodes:
-        if node.op not in ("placeholder", "output", "get_attr") and node not in weights:
-            sizes[node] = _bytes_expr(traced_value(node))
-            if sizes[node] != 0:
-                live = live + sizes[node]
-                candidates.add(live)
-        for value in frees.get(node, ()):
+    for step in storage_walk(gm.graph, weights):
+        sizes[step.node] = _bytes_expr(step.new)
+        if sizes[step.node] != 0:
+            live = live + sizes[step.node]
+            candidates.add(live)
+        for value in step.frees:
             live = live - sizes.pop(value, 0)
     symbols = sorted(set().union(*(c.free_symbols for c in candidates)), key=str)
     sources = _symbol_sources(gm)

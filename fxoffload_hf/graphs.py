@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxoffload_hf.capture import handle_of
 from fxoffload_hf.memory_model import nbytes
@@ -74,19 +75,73 @@ def call_inputs(graph: fx.Graph, weight_nodes: set[fx.Node]) -> list[fx.Node]:
 
 def activation_peak(graph: fx.Graph, weight_nodes: set[fx.Node]) -> int:
     """Peak bytes held while ``graph`` runs in order (from fake example values): the tensors the call
-    passed (a KV cache among them) and the live intermediates."""
-    frees = last_uses(graph)
+    passed (a KV cache among them) and the live intermediates, each storage counted once."""
     held = sum(value_bytes(traced_value(n)) for n in call_inputs(graph, weight_nodes))
     live, peak = held, held
     sizes: dict[fx.Node, int] = {}
-    for node in graph.nodes:
-        if node.op not in ("placeholder", "output", "get_attr") and node not in weight_nodes:
-            sizes[node] = value_bytes(traced_value(node))
-            live += sizes[node]
+    for step in storage_walk(graph, weight_nodes):
+        if step.new:
+            sizes[step.node] = sum(value_bytes(t) for t in step.new)
+            live += sizes[step.node]
             peak = max(peak, live)
-        for value in frees.get(node, ()):
+        for value in step.frees:
             live -= sizes.pop(value, 0)
     return peak
+
+
+STORAGE_KEYS = "fxoffload_storage_keys"  # node.meta: storage keys that stand for the traced value's
+
+
+@dataclass(frozen=True)
+class WalkStep:
+    """One node of a graph run in order: the tensors of its value that are new storage, and the nodes
+    whose storage is dead once it ran."""
+
+    node: fx.Node
+    new: list[torch.Tensor]
+    frees: list[fx.Node]
+
+
+def storage_walk(graph: fx.Graph, weight_nodes: set[fx.Node]) -> list[WalkStep]:
+    """The nodes of ``graph`` that compute (not placeholders, weights or the output), each with the
+    tensors it allocates: a view or an in-place result shares its storage with an input or an earlier
+    value (a slice of a KV cache written in place, a tuple's item), adds nothing and keeps that value
+    alive. A storage is dead after the last use of every node that holds it; a value never used stays
+    alive to the end."""
+    nodes = list(graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    owner: dict[Any, fx.Node | None] = {}  # storage -> the node that allocated it; None: an input's
+    for node in nodes:
+        if node.op in ("placeholder", "get_attr") or node in weight_nodes:
+            for key in storage_keys(node):
+                owner.setdefault(key, None)
+    new: dict[fx.Node, list[torch.Tensor]] = {}
+    holds: dict[fx.Node, set[fx.Node]] = {}  # node -> earlier nodes whose storage it shares
+    for node in nodes:
+        if node.op in ("placeholder", "output", "get_attr") or node in weight_nodes:
+            continue
+        new[node] = []
+        for tensor, key in zip(_tensors(traced_value(node)), storage_keys(node), strict=True):
+            if key is None or key not in owner:
+                new[node].append(tensor)
+                if key is not None:
+                    owner[key] = node
+            elif owner[key] not in (None, node):
+                holds.setdefault(node, set()).add(owner[key])  # type: ignore[arg-type]
+    last = {value: user for user, values in last_uses(graph).items() for value in values}
+    death: dict[fx.Node, fx.Node | None] = {node: last.get(node) for node, made in new.items() if made}
+    for node, owners in holds.items():
+        for held in owners:
+            end = death.get(held)
+            if end is not None:  # a view never used (an in-place op's result) ends where it runs
+                death[held] = max(end, last.get(node, node), key=order.__getitem__)
+    frees: dict[fx.Node, list[fx.Node]] = {}
+    for node, end in death.items():
+        if end is not None:
+            frees.setdefault(end, []).append(node)
+    return [WalkStep(node, made, frees.get(node, [])) for node, made in new.items()] + [
+        WalkStep(node, [], frees[node]) for node in nodes if node not in new and node in frees
+    ]
 
 
 def last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
@@ -99,6 +154,31 @@ def last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     for value, user in last_use.items():
         frees.setdefault(user, []).append(value)
     return frees
+
+
+def storage_keys(node: fx.Node) -> list[Any]:
+    """A key of the storage of each tensor in ``node``'s traced value (None where it has none): the
+    storages themselves, or the keys a graph rewrite gave copies of nodes (``STORAGE_KEYS``, as
+    ``plan_depth`` does: a copy's values are the original's fake tensors, their storages its own)."""
+    if STORAGE_KEYS in node.meta:
+        return list(node.meta[STORAGE_KEYS])
+    return [_storage(t) for t in _tensors(traced_value(node))]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _storage(tensor: torch.Tensor) -> Any:
+    """A key of the storage ``tensor`` views (fake tensors have storages too); None if it has none."""
+    try:
+        return StorageWeakRef(tensor.untyped_storage())
+    except (NotImplementedError, RuntimeError):
+        return None
 
 
 def value_bytes(value: Any) -> int:

@@ -20,6 +20,7 @@ import torch
 from torch import fx, nn
 
 from fxoffload_hf.blocks import all_alike
+from fxoffload_hf.graphs import STORAGE_KEYS, storage_keys
 from fxoffload_hf.kv_cache import text_config
 
 TRACED_LAYERS = 2  # the first, and one whose nodes are copied (its inputs come from a layer before it)
@@ -86,6 +87,8 @@ def deepen(
         if isinstance(v, torch.Tensor) and names.get(id(v), "").startswith(prefix)
     }
     original = set(graph.nodes)
+    following = list(graph.nodes)[list(graph.nodes).index(last[-1]) + 1 :]  # what reads the last layer
+    storages = _StorageKeys(graph, first, last)
     inputs = list(example_inputs)
     previous = dict(zip(first, last, strict=True))  # what the template read of the layer before it
     newest = list(last)
@@ -113,15 +116,59 @@ def deepen(
         for node in last:
             with graph.inserting_after(after):
                 after = copies[node] = graph.node_copy(node, remap)
+        storages.tag_copies(copies, index)
         newest = [copies[n] for n in last]
         previous = dict(zip(first, newest, strict=True))
     # what read the last traced layer now reads the last copy
+    storages.tag_following(following, layers.depth - 1)
     final = dict(zip(last, newest, strict=True))
     for node in last:
         for user in [u for u in node.users if u in original and u not in final]:
             user.replace_input_with(node, final[node])
     graph.lint()
     return inputs
+
+
+class _StorageKeys:
+    """Storage keys for the copies of a layer's nodes (``graphs.STORAGE_KEYS``): a copy's traced values
+    are the template's fake tensors, so without them every copy would share the template's storages. In
+    copy ``i``, a storage the template layer allocated is ``(i, key)``; one it read from the layer before
+    is the corresponding storage of copy ``i - 1`` (the template for the first copy)."""
+
+    def __init__(self, graph: fx.Graph, first: list[fx.Node], last: list[fx.Node]) -> None:
+        self.owner: dict[Any, fx.Node | None] = {}  # storage -> the node that allocated it; None: an input's
+        inputs = [n for n in graph.nodes if n.op in ("placeholder", "get_attr")]
+        for node in inputs + [n for n in graph.nodes if n.op != "output" and n not in inputs]:
+            for key in storage_keys(node):
+                self.owner.setdefault(key, None if node in inputs else node)
+        self.template, self.last = set(last), last
+        self.before = {node: j for j, node in enumerate(first)}
+        self.previous = {node: storage_keys(node) for node in last}  # keys of the layer before a copy
+
+    def tag_copies(self, copies: dict[fx.Node, fx.Node], index: int) -> None:
+        keys_now = {}
+        for node in self.last:
+            keys = [self._key(key, index) for key in storage_keys(node)]
+            copies[node].meta[STORAGE_KEYS] = keys_now[node] = keys
+        self.previous = keys_now
+
+    def tag_following(self, following: list[fx.Node], final: int) -> None:
+        """Nodes after the layers that view what the template layer allocated view the last copy's."""
+        for node in following:
+            keys = storage_keys(node)
+            if any(self.owner.get(key) in self.template for key in keys):
+                node.meta[STORAGE_KEYS] = [
+                    (final, key) if self.owner.get(key) in self.template else key for key in keys
+                ]
+
+    def _key(self, key: Any, index: int) -> Any:
+        owner = self.owner.get(key)
+        if owner in self.template:
+            return (index, key)
+        if owner in self.before:
+            counterpart = self.last[self.before[owner]]
+            return self.previous[counterpart][storage_keys(owner).index(key)]
+        return key
 
 
 def _layer_nodes(graph: fx.Graph, path: str) -> list[fx.Node]:
