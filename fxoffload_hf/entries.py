@@ -19,6 +19,7 @@ from fxoffload_hf.eager_memory import eager_call_bytes
 from fxoffload_hf.engine import Engine
 from fxoffload_hf.generate_memory import counting_kv
 from fxoffload_hf.memory_model import BudgetTooSmallError
+from fxoffload_hf.reserved_cache import reserve_default_cache
 from fxoffload_hf.undo import PatchedAttribute, Undo
 
 
@@ -26,7 +27,8 @@ def wrap(
     model: nn.Module, names: tuple[str, ...], engine: Engine, eager: EagerWeights, undo: list[Undo]
 ) -> None:
     """Route each of ``model``'s methods ``names`` (dotted: ``model.encoder.forward``) through ``engine``,
-    and count ``generate``'s KV cache before its first token; each change recorded in ``undo``."""
+    count ``generate``'s KV cache before its first token, and reserve its default cache for its final
+    length (``reserved_cache``); each change recorded in ``undo``."""
     for name in names:
         _wrap_entry(model, name, engine, eager, undo)
     generate = getattr(model, "generate", None)
@@ -34,6 +36,18 @@ def wrap(
         had_own = "generate" in model.__dict__
         undo.append(PatchedAttribute(model, "generate", had_own, model.__dict__.get("generate")))
         setattr(model, "generate", counting_kv(model, generate, engine))  # noqa: B010
+    prepare = getattr(model, "_prepare_cache_for_generation", None)
+    if callable(prepare):
+        had_own = "_prepare_cache_for_generation" in model.__dict__
+        undo.append(
+            PatchedAttribute(
+                model,
+                "_prepare_cache_for_generation",
+                had_own,
+                model.__dict__.get("_prepare_cache_for_generation"),
+            )
+        )
+        setattr(model, "_prepare_cache_for_generation", reserve_default_cache(prepare, engine.device))  # noqa: B010
 
 
 def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeights, undo: list[Undo]) -> None:

@@ -25,6 +25,7 @@ from fxoffload_hf.engine import Engine
 from fxoffload_hf.kv_cache import cache_positions, predicted_cache_bytes, text_config
 from fxoffload_hf.memory_model import BudgetTooSmallError, format_bytes
 from fxoffload_hf.micro_batches import split_generate
+from fxoffload_hf.reserved_cache import reserves
 
 _CACHE_ARGUMENTS = {"cache", "past_key_values"}  # Transformers 5.25's name, and earlier versions'
 
@@ -120,17 +121,23 @@ def counting_kv(model: nn.Module, generate: Callable[..., Any], engine: Engine) 
         if call is None or not cache:
             return generate(*args, **kwargs)
         step = _step_bytes(model, call)
-        # the last decode step holds the cache it is passed, the one it builds and its own states
-        what = f"generate's KV cache reaches {format_bytes(cache)} at its last token, held twice by a decode step"
+        # the last decode step holds the cache it is passed, the one it builds (none where the cache is
+        # written in place: ``reserved_cache``) and its own states
+        built = 0 if reserves(model, kwargs, call.settings) else cache
+        what = f"generate's KV cache reaches {format_bytes(cache)} at its last token" + (
+            ", held twice by a decode step" if built else ""
+        )
         try:
-            engine.expect_activations(2 * cache + step, what)
+            engine.expect_activations(cache + built + step, what)
             return generate(*args, **kwargs)
         except BudgetTooSmallError:
             # refused before the first token, or (where the prediction was short of a capture's
             # measure) at a later step: the whole call again in micro-batches, where they fit
             split = None
             if engine.cohort is None:
-                split = split_generate(engine, generate, args, kwargs, call.settings, call.batch, cache, step)
+                split = split_generate(
+                    engine, generate, args, kwargs, call.settings, call.batch, cache, step, built
+                )
             if split is None:
                 raise
             return split

@@ -104,34 +104,41 @@ class WalkStep:
 
 def storage_walk(graph: fx.Graph, weight_nodes: set[fx.Node]) -> list[WalkStep]:
     """The nodes of ``graph`` that compute (not placeholders, weights or the output), each with the
-    tensors it allocates: a view or an in-place result shares its storage with an input or an earlier
-    value (a slice of a KV cache written in place, a tuple's item), adds nothing and keeps that value
-    alive. A storage is dead after the last use of every node that holds it; a value never used stays
-    alive to the end."""
+    tensors it allocates. A tensor whose storage is that of a tensor of one of the node's arguments (a
+    view, an in-place result: a slice of a KV cache written in place, a tuple's item, a transposed
+    weight) adds nothing and keeps the value that allocated it alive. Only arguments count: graph
+    rewrites (dynamo's inlined regions, ``plan_depth``'s copies) can give unrelated nodes one fake value.
+    A storage is dead after the last use of every node that holds it; a value never used (but a view's)
+    stays alive to the end."""
     nodes = list(graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
-    owner: dict[Any, fx.Node | None] = {}  # storage -> the node that allocated it; None: an input's
-    for node in nodes:
-        if node.op in ("placeholder", "get_attr") or node in weight_nodes:
-            for key in storage_keys(node):
-                owner.setdefault(key, None)
+    # per node, its tensors' storages -> the node that allocated each (None: an input's)
+    owners: dict[fx.Node, dict[Any, fx.Node | None]] = {}
     new: dict[fx.Node, list[torch.Tensor]] = {}
     holds: dict[fx.Node, set[fx.Node]] = {}  # node -> earlier nodes whose storage it shares
     for node in nodes:
-        if node.op in ("placeholder", "output", "get_attr") or node in weight_nodes:
+        if node.op in ("placeholder", "get_attr") or node in weight_nodes:
+            owners[node] = {key: None for key in storage_keys(node) if key is not None}
             continue
-        new[node] = []
+        if node.op == "output":
+            continue
+        viewed: dict[Any, fx.Node | None] = {}
+        for argument in node._input_nodes:
+            viewed.update(owners.get(argument, {}))
+        new[node], owners[node] = [], {}
         for tensor, key in zip(_tensors(traced_value(node)), storage_keys(node), strict=True):
-            if key is None or key not in owner:
+            if key is not None and key in viewed:
+                owners[node][key] = viewed[key]
+                if viewed[key] is not None:
+                    holds.setdefault(node, set()).add(viewed[key])  # type: ignore[arg-type]
+            else:
                 new[node].append(tensor)
                 if key is not None:
-                    owner[key] = node
-            elif owner[key] not in (None, node):
-                holds.setdefault(node, set()).add(owner[key])  # type: ignore[arg-type]
+                    owners[node][key] = node
     last = {value: user for user, values in last_uses(graph).items() for value in values}
     death: dict[fx.Node, fx.Node | None] = {node: last.get(node) for node, made in new.items() if made}
-    for node, owners in holds.items():
-        for held in owners:
+    for node, allocators in holds.items():
+        for held in allocators:
             end = death.get(held)
             if end is not None:  # a view never used (an in-place op's result) ends where it runs
                 death[held] = max(end, last.get(node, node), key=order.__getitem__)

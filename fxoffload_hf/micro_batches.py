@@ -32,16 +32,19 @@ def split_generate(
     batch: int,
     cache: int,
     step: int,
+    built: int,
 ) -> Any | None:
     """``generate(*args, **kwargs)`` (``batch`` prompts, run with the generation config ``settings``) in
     micro-batches, or None where it cannot be split (the caller then refuses it as before). ``cache``: the
     batch's KV cache at its last token; ``step``: what a decode step of the whole batch holds beside its
-    caches. Not split: a batch of one, a cache that cannot fit even in micro-batches of one, or outputs
+    caches; ``built``: the cache a decode step of the whole batch builds anew (``cache``, or 0 where it
+    is written in place). Not split: a batch of one, a cache that cannot fit even in micro-batches of one, or outputs
     this cannot merge (``return_dict_in_generate``, a streamer). Where capture refuses the micro-batches
     chosen, smaller ones are tried, down to one sequence each."""
     if batch < 2 or kwargs.get("streamer") is not None or settings.return_dict_in_generate:
         return None
-    size = _largest_that_fits(engine, batch, cache, step)
+    need = functools.partial(_step_need, batch, cache=cache, step=step, built=built)
+    size = _largest_that_fits(engine, batch, need)
     if size is None:
         return None
     warnings.warn(
@@ -52,7 +55,7 @@ def split_generate(
     )
     while True:
         try:
-            outputs = _in_micro_batches(engine, generate, args, kwargs, batch, size, cache, step)
+            outputs = _in_micro_batches(engine, generate, args, kwargs, batch, size, need(size))
             break
         except BudgetTooSmallError:
             # the size was chosen before capture, from the weights' smallest units; capture knows which
@@ -66,19 +69,19 @@ def split_generate(
     return _stacked(outputs, pad)
 
 
-def _step_need(batch: int, size: int, cache: int, step: int) -> int:
+def _step_need(batch: int, size: int, *, cache: int, step: int, built: int) -> int:
     """What a decode step in micro-batches of ``size`` holds: the caches of all (``cache``, the whole
-    batch's) and what the running ones build and hold (``step`` for the whole batch)."""
-    return cache + -(-(cache + step) * size // batch)
+    batch's) and what the running ones build and hold (``built + step`` for the whole batch)."""
+    return cache + -(-(built + step) * size // batch)
 
 
-def _largest_that_fits(engine: Engine, batch: int, cache: int, step: int) -> int | None:
-    """The largest micro-batch size, the batch halved (rounded up) until it fits, or None if one sequence
-    at a time cannot."""
+def _largest_that_fits(engine: Engine, batch: int, need: Callable[[int], int]) -> int | None:
+    """The largest micro-batch size, the batch halved (rounded up) until its ``need`` fits, or None if one
+    sequence at a time cannot."""
     size = batch
     while size > 1:
         size = -(-size // 2)
-        if engine.fits_activations(_step_need(batch, size, cache, step)):
+        if engine.fits_activations(need(size)):
             return size
     return None
 
@@ -90,11 +93,9 @@ def _in_micro_batches(
     kwargs: dict[str, Any],
     batch: int,
     size: int,
-    cache: int,
-    step: int,
+    need: int,
 ) -> list[Any]:
-    """The call's batch in micro-batches of ``size`` as one block (``_step_need``)."""
-    need = _step_need(batch, size, cache, step)
+    """The call's batch in micro-batches of ``size`` as one block, whose decode steps hold ``need``."""
     what = f"generate's KV caches reach {format_bytes(need)} at the last token of a micro-batch of {size}"
     engine.expect_activations(need, what, instead=True)
     parts = [slice(start, start + size) for start in range(0, batch, size)]

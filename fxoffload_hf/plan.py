@@ -29,6 +29,7 @@ from fxoffload_hf.memory_model import (
     window_bytes,
 )
 from fxoffload_hf.planner import partition_for_budget
+from fxoffload_hf.reserved_cache import full_attention_only
 from fxoffload_hf.tradeoff import Bandwidths, Estimate, budgets_between, estimate
 
 
@@ -209,8 +210,9 @@ def plan_config(
     forward = activation_peak(gm.graph, set(weights))
     kv = kv_cache_bytes(config, batch, seq_len, _dtype_bytes(model))
     # generate: the prefill builds the cache beside its activations; a decode step at the last length
-    # holds the cache it was passed and the one it builds
-    activations = max(forward + kv, 2 * kv)
+    # holds the cache it was passed and, unless it is written in place (``reserved_cache``: full
+    # attention only), the one it builds
+    activations = forward + kv if full_attention_only(config) else max(forward + kv, 2 * kv)
     # a table used only for lookups is read by rows where it lies (``row_lookups`` on CUDA), and a weight
     # that only projections and lookups use streams in tiles of rows if it must (``tiles``)
     sizes = {w: 0 if only_row_lookups(w) else b for w, b in weights.items()}
