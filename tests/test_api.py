@@ -33,15 +33,18 @@ def test_restore_undoes_every_install_step_in_reverse(build_model, example_input
     undo = model._fxoffload_state.undo
     kinds = {type(u) for u in undo}
     assert {SwappedParameter, StoredParameter, AttachedHook, PatchedAttribute} <= kinds
-    # the entry point last, then generate (its KV cache counted before the first token)
-    assert [(type(u), u.attr) for u in undo[-2:]] == [
+    # the entry point last, then generate (its KV cache counted before the first token) and the cache
+    # it makes (reserved for its final length)
+    assert [(type(u), u.attr) for u in undo[-3:]] == [
         (PatchedAttribute, "forward"),
         (PatchedAttribute, "generate"),
+        (PatchedAttribute, "_prepare_cache_for_generation"),
     ]
     with torch.no_grad():
         assert torch.equal(model(x).logits, expected)
     fxoffload_hf.restore(model)
     assert _snapshot(model) == before and "generate" not in model.__dict__
+    assert "_prepare_cache_for_generation" not in model.__dict__
     with torch.no_grad():
         assert torch.equal(model(x).logits, expected)
 
