@@ -7,7 +7,9 @@ cache twice, and copies all of it. ``ReservedLayer`` reserves each layer's stora
 can reach (``generate``'s own ``max_cache_length``) at its first update, writes each step's keys and
 values into it in place, and hands attention views of the filled part: the same values in the same
 shapes, so attention computes what it computes over the concatenated cache (tokens and scores equal bit
-for bit: ``tests/test_reserved_cache.py``). Anything that reshapes the cache (beam reordering, cropping, a
+for bit: ``tests/test_reserved_cache.py``). On CUDA, where attention kernels are chosen by strides too and
+no GPU has checked views, attention is given a contiguous copy of each layer instead, as concatenation
+lays it out: one layer's copy lives at a time, not the whole cache. Anything that reshapes the cache (beam reordering, cropping, a
 batch selection, more tokens than reserved) turns the layer back into a plain ``DynamicLayer`` first.
 
 Offloaded models reserve their default cache (``reserve_default_cache``, installed by ``entries``): a
@@ -18,6 +20,7 @@ passes, another ``cache_implementation``, sliding-window or other kinds of layer
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +40,9 @@ class ReservedLayer(DynamicLayer):
         # the capacity as a size, not a Python number: a captured graph reads it as a size symbol, so a
         # later call with another length reuses the graph instead of specialising on this one
         self._room: torch.Tensor | None = torch.empty(capacity, 0, device=device)
+        # attention over views of the reserved storage is checked bit-exact on the CPU only; elsewhere
+        # (CUDA picks attention kernels by strides too) it is given contiguous copies
+        self._views = device.type == "cpu"
         self._key_store: torch.Tensor | None = None
         self._value_store: torch.Tensor | None = None
 
@@ -66,7 +72,10 @@ class ReservedLayer(DynamicLayer):
         keys[:, :, start:end].copy_(key_states)
         values[:, :, start:end].copy_(value_states)
         self.keys, self.values = keys[:, :, :end], values[:, :, :end]
-        return self.keys, self.values
+        if self._views:
+            return self.keys, self.values
+        # contiguous copies, laid out as concatenation lays them out, live while the layer's attention runs
+        return self.keys.contiguous(), self.values.contiguous()
 
     def _give_up_reservation(self) -> None:
         """Become a plain ``DynamicLayer``: the filled part copied out, the reserved storage let go."""
@@ -133,12 +142,17 @@ def reservable(cache: Any) -> bool:
 def reserve_default_cache(prepare: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
     """``model._prepare_cache_for_generation`` that reserves the default cache it makes for
     ``max_cache_length`` positions on ``device`` (where ``reservable``)."""
+    signature = inspect.signature(prepare)
 
     @functools.wraps(prepare)
     def run(generation_config: Any, model_kwargs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         passed = any(model_kwargs.get(name) is not None for name in _CACHE_KWARGS)
         result = prepare(generation_config, model_kwargs, *args, **kwargs)
-        capacity = kwargs.get("max_cache_length", args[-1] if args else None)
+        try:
+            bound = signature.bind_partial(generation_config, model_kwargs, *args, **kwargs)
+        except TypeError:  # a model's own signature: leave its cache as it is
+            return result
+        capacity = bound.arguments.get("max_cache_length")
         name = next((n for n in _CACHE_KWARGS if model_kwargs.get(n) is not None), None)
         assistant = getattr(generation_config, "is_assistant", False)
         if not passed and not assistant and name and isinstance(capacity, int) and capacity > 1:

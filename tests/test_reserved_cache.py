@@ -107,12 +107,15 @@ def test_a_cache_the_caller_passes_and_sliding_windows_are_left_as_they_are(buil
         fxoffload_hf.restore(windowed)
 
 
-def test_a_layer_written_past_its_reservation_concatenates_as_transformers_does() -> None:
+@pytest.mark.parametrize("views", [True, False], ids=["views", "copies"])
+def test_a_layer_written_past_its_reservation_concatenates_as_transformers_does(views: bool) -> None:
     layer, plain = ReservedLayer(4, torch.device("cpu")), DynamicLayer()
+    layer._views = views  # copies: what a CUDA layer hands attention
     generator = torch.Generator().manual_seed(0)
     for length in (3, 1, 2, 1):
         keys, values = (torch.randn(2, 2, length, 8, generator=generator) for _ in range(2))
         got, expected = layer.update(keys, values), plain.update(keys, values)
-        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a, b) and (views or a.stride() == b.stride())
     assert layer.get_seq_length() == plain.get_seq_length() == 7
     assert layer._key_store is None  # given up at the update that did not fit
