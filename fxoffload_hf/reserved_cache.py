@@ -116,6 +116,7 @@ def reserves(model: Any, kwargs: dict[str, Any], settings: Any) -> bool:
         and kwargs.get("assistant_model") is None
         and getattr(settings, "cache_implementation", None) in (None, "dynamic")
         and bool(getattr(settings, "use_cache", True))
+        and (getattr(settings, "num_beams", 1) or 1) == 1  # beam search gives the reservation up
         and supports()
         and full_attention_only(getattr(model, "config", None))
     )

@@ -3,6 +3,8 @@ scores equal the concatenating cache's bit for bit, eagerly and captured; a deco
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from test_batched_generation import left_padded
@@ -95,6 +97,9 @@ def test_a_cache_the_caller_passes_and_sliding_windows_are_left_as_they_are(buil
         assert {type(layer) for layer in own.layers} == {DynamicLayer}
         assert not reserves(model, {"cache": own}, model.generation_config)
         assert reserves(model, {}, model.generation_config)
+        beams = copy.deepcopy(model.generation_config)
+        beams.num_beams = 3
+        assert not reserves(model, {}, beams)  # its first reordering gives the reservation up
     finally:
         fxoffload_hf.restore(model)
     windowed = build_model("llama")
