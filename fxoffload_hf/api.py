@@ -344,6 +344,7 @@ def _defer_only_where_lends_fit(eager: EagerWeights, holders: set[nn.Module], en
     largest = max(lent, key=lent.__getitem__)
     deferral = engine.deferral
     deferral.largest_lent = lent[largest]
+    deferral.largest_span = max(eager.lent_span(module) for module in ordered)
     deferral.keepable = list(dict.fromkeys(name for m in ordered for name in eager.used_whole(m)))
     if lent[largest] > room:
         deferral.end(

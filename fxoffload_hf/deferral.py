@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from fxoffload_hf.mapped_io import UNIT_BYTES
 from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, format_bytes
-from fxoffload_hf.planner import kept_bytes
 from fxoffload_hf.progress import report
 from fxoffload_hf.stats import Stats
-from fxoffload_hf.weights import WeightStore
+from fxoffload_hf.weights import WeightRecord, WeightStore
 
 # Capture's cost per module lent weights in one eager call: dynamo traces each such module with its
 # neighbours once per graph, and generate captures two. Measured here on a 10-layer Llama (72 such
@@ -44,6 +44,8 @@ class Deferral:
         self.counts_ram = counts_ram
         self.stats = stats
         self.largest_lent = 0  # weight bytes of the largest module lent whole in an eager call
+        # and what such a module can hold mapped (whole 2 MiB units): the room kept weights leave it
+        self.largest_span = 0
         self.keepable: Sequence[str] = ()  # weights eager calls use whole, in the model's order
         self.by_choice = False  # deferring ended for speed (cost or a block), not for the budget
         self.refused = False  # such a capture needed more than the budget: calls stay eager
@@ -67,7 +69,8 @@ class Deferral:
             self._largest_need = max(self._largest_need, need)
             room = budget - self.memory.need(activations=max(need, expected), in_flight=self.largest_lent)
             room_to_keep = budget - self.memory.need(
-                activations=max(self._largest_need, expected), in_flight=self.largest_lent
+                activations=max(self._largest_need, expected),
+                in_flight=max(self.largest_lent, self.largest_span),
             )
             if self._fill(room, room_to_keep):
                 return True
@@ -125,19 +128,50 @@ class Deferral:
             record = self.store.records[name]
             if (
                 record.resident is None
-                and held + record.footprint <= room_to_keep
+                and held.total + held.cost(record) <= room_to_keep
                 and self.store.movable(record)
             ):
                 self.store.keep(name)
                 self._kept.append(name)
-                held += record.footprint
-        return held <= room
+                held.add(record)
+        return held.total <= room
 
-    def _let_go(self, room: int) -> int:
+    def _let_go(self, room: int) -> _KeptBytes:
         """Stop keeping the weights kept last until those kept fit ``room`` bytes; the bytes kept then."""
-        held = kept_bytes(self.store.records)
-        while self._kept and held > room:
-            name = self._kept.pop()
-            held -= self.store.records[name].footprint  # as ``kept_bytes`` counted it
-            self.store.evict(name)
-        return held
+        while True:
+            kept = {id(r): r for r in self.store.records.values() if r.resident is not None}
+            held = _KeptBytes(self.store, list(kept.values()))
+            if not self._kept or held.total <= room:
+                return held
+            self.store.evict(self._kept.pop())
+
+
+class _KeptBytes:
+    """What the weights kept for eager calls hold: a copy's bytes, or the 2 MiB units of mapped pages a
+    weight kept in place holds whole, each with every weight's bytes in it (a neighbour's pages, faulted
+    in when it was lent, stay mapped while the unit is held: ``mapped_io``)."""
+
+    def __init__(self, store: WeightStore, kept: Sequence[WeightRecord]) -> None:
+        self.store = store
+        self.fill = store.unit_fill()
+        self.units: set[tuple[int, int]] = set()
+        self.copies = 0
+        for record in kept:
+            self.add(record)
+
+    @property
+    def total(self) -> int:
+        return self.copies + sum(min(UNIT_BYTES, self.fill.get(u, 0)) for u in self.units)
+
+    def cost(self, record: WeightRecord) -> int:
+        """The bytes keeping ``record`` would add."""
+        if not self.store.keeps_in_place(record):
+            return record.footprint
+        new = set(self.store.mapped_units(record)) - self.units
+        return sum(min(UNIT_BYTES, self.fill.get(u, 0)) for u in new)
+
+    def add(self, record: WeightRecord) -> None:
+        if self.store.keeps_in_place(record):
+            self.units.update(self.store.mapped_units(record))
+        else:
+            self.copies += record.footprint

@@ -29,7 +29,7 @@ from torch._dynamo.eval_frame import skip_code
 from fxoffload_hf.capture import handle_of
 from fxoffload_hf.cohort import SharedLock
 from fxoffload_hf.loaders import ROWS_WHERE_THEY_LIE, Way, way_of
-from fxoffload_hf.mapped_io import MappedGroup
+from fxoffload_hf.mapped_io import UNIT_BYTES, MappedGroup
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
 from fxoffload_hf.row_lookups import gather_rows
 from fxoffload_hf.safetensors_io import TensorSlice
@@ -179,6 +179,21 @@ class EagerWeights:
         """Bytes an eager call of ``module`` brings in whole (its table read by rows is not)."""
         ghosts = _ghosts(module)
         return _whole_bytes(module, ghosts, self._ways(module, ghosts))
+
+    def lent_span(self, module: nn.Module) -> int:
+        """What an eager call of ``module`` can hold mapped: its weights used in place from their files
+        as the 2 MiB units of mapping they touch, each with the weights' bytes in it (a unit is mapped
+        whole where the kernel keeps the file in 2 MiB folios: ``mapped_io``); the rest as ``lent_bytes``."""
+        ghosts = _ghosts(module)
+        whole = [
+            (r, way)
+            for r, way in _used_whole(module, ghosts, self._ways(module, ghosts))
+            if way is not Way.HELD
+        ]
+        units = {unit for r, way in whole if way is Way.MAPPED for unit in self.store.mapped_units(r)}
+        fill = self.store.unit_fill() if units else {}
+        mapped = sum(min(UNIT_BYTES, fill.get(unit, 0)) for unit in units)
+        return mapped + sum(r.footprint for r, way in whole if way is not Way.MAPPED)
 
     def used_whole(self, module: nn.Module) -> list[str]:
         """The weights an eager call of ``module`` uses whole (not a table it reads rows of)."""

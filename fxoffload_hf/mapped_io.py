@@ -321,6 +321,15 @@ def _mapping_ends(tensors: list[torch.Tensor]) -> dict[int, int]:
     return {_mapping_start(t): _mapping_start(t) + t.untyped_storage().nbytes() for t in tensors}
 
 
+UNIT_BYTES = 1 << _UNIT_SHIFT
+
+
+def units_of(tensor: torch.Tensor) -> list[tuple[int, int]]:
+    """The 2 MiB units of mapped address space ``tensor`` (a view of a mapping) touches: each stays
+    mapped whole while the tensor is held."""
+    return _units(tensor)
+
+
 def _units(tensor: torch.Tensor) -> list[tuple[int, int]]:
     """The 2 MiB units of address space (with the start of their mapping) that ``tensor``'s bytes touch."""
     nbytes = tensor.numel() * tensor.element_size()

@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from fxoffload_hf.mapped_io import MappedFiles, can_map
+from fxoffload_hf.mapped_io import UNIT_BYTES, MappedFiles, can_map, units_of
 from fxoffload_hf.memory_model import format_bytes, nbytes
 from fxoffload_hf.safetensors_io import TensorSlice, read_header, read_into
 
@@ -312,13 +312,37 @@ class WeightStore:
         if record.resident is not None:
             return
         self.version += 1
-        if self.device.type == "cpu" and record.host is None and record.in_place:
+        if self.keeps_in_place(record):
             assert record.disk is not None
             view = self.files.view(record.disk)
             self.files.populate([view])
             record.resident, record.mapped = view, True
         else:
             record.resident = self.read(record).to(self.device)
+
+    def keeps_in_place(self, record: WeightRecord) -> bool:
+        """Whether ``keep`` keeps ``record`` as its file's pages mapped (else as a copy)."""
+        return self.device.type == "cpu" and record.host is None and record.in_place
+
+    def mapped_units(self, record: WeightRecord) -> list[tuple[int, int]]:
+        """The 2 MiB units of mapped address space ``record`` used in place holds (``mapped_io``:
+        whole units stay mapped, with whatever of their neighbours' pages were faulted in)."""
+        assert record.disk is not None
+        return units_of(self.files.view(record.disk))
+
+    def unit_fill(self) -> dict[tuple[int, int], int]:
+        """Per 2 MiB unit of mapped address space, the bytes of weights used in place that lie in it: what
+        the unit can hold faulted in while mapped (``mapped_bytes``)."""
+        fill: dict[tuple[int, int], int] = {}
+        seen = {id(r): r for r in self.records.values() if r.disk is not None and self.keeps_in_place(r)}
+        for record in seen.values():
+            assert record.disk is not None
+            view = self.files.view(record.disk)
+            low, high = view.data_ptr(), view.data_ptr() + record.disk.nbytes
+            for start, unit in units_of(view):
+                overlap = min(high, (unit + 1) * UNIT_BYTES) - max(low, unit * UNIT_BYTES)
+                fill[(start, unit)] = fill.get((start, unit), 0) + overlap
+        return fill
 
     def evict(self, name: str) -> None:
         """Stop keeping ``name`` where the model computes (it streams from its host or disk tier)."""

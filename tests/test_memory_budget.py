@@ -1,6 +1,9 @@
-"""With cpu_memory at 25% of the checkpoint, the process's peak memory stays near the budget: within 5% of
-it by default (a short answer runs eagerly, each module lent its weights within the budget), within a
-fixed slack when captured from the first call (dynamo's state of each graph is not counted yet)."""
+"""With cpu_memory at 25% of the checkpoint, the process's peak memory while it runs stays near the budget:
+within 5% of it by default (a short answer runs eagerly, each module lent its weights within the budget,
+the weights kept and lent counted as the whole 2 MiB units of mapping they hold), within a fixed slack
+when captured from the first call (dynamo's state of each graph is not counted yet). Loading allocates
+less than 5% of the budget; Transformers' indexing read of every tensor maps the shards' clean file
+pages for a moment, which the run's peak leaves out."""
 
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ def test_peak_memory_stays_within_cpu_budget_plus_slack(tmp_path: Path, capture:
         assert report["graphs"] == 2 and report["eager_calls"] == 0, report
     assert report["disk_bytes"] > report["checkpoint_bytes"] // 2
     assert report["peak_rise"] < report["budget"] + slack, report
+    assert report["load_anon_rise"] < report["budget"] // 20, report
     assert report["peak_rise"] < report["checkpoint_bytes"], report
     # the sampled peak of private memory alone (the checkpoint's mapped pages are file-backed) stays
     # within the budget too, and covers where private memory ended
