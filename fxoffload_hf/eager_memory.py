@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from fxoffload_hf.kv_cache import kv_cache_bytes, text_config
+from fxoffload_hf.reserved_cache import disk_resident_bytes
 
 # arguments that do not change what a decoder's call holds (beside the token ids and the cache)
 _SHAPE_FREE = {
@@ -48,7 +49,8 @@ def eager_call_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     text = text_config(config)
     hidden, heads, vocab = (_int(text, name) for name in ("hidden_size", "num_attention_heads", "vocab_size"))
     lengths = _token_lengths(inputs)
-    past = _cached_positions(next((inputs[n] for n in _CACHES if inputs.get(n) is not None), None))
+    cache = next((inputs[n] for n in _CACHES if inputs.get(n) is not None), None)
+    past = _cached_positions(cache)
     if lengths is None or past is None or not (hidden and heads and vocab) or _has_experts(text):
         return None
     batch, tokens, decoded = lengths
@@ -57,7 +59,8 @@ def eager_call_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     per_token = (12 * hidden + 4 * _inner_width(text, hidden)) * itemsize
     scores = 2 * batch * heads * tokens * keys * 4
     logits = 2 * batch * _kept_positions(inputs.get("logits_to_keep"), decoded) * vocab * 4
-    cache_bytes = 2 * kv_cache_bytes(config, batch, keys, itemsize)
+    on_disk = disk_resident_bytes(cache)  # a cache kept on disk has about two layers in memory
+    cache_bytes = 2 * kv_cache_bytes(config, batch, keys, itemsize) if on_disk is None else on_disk
     return batch * tokens * per_token + scores + logits + cache_bytes
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,9 +25,10 @@ from torch import nn
 
 from fxoffload_hf.engine import Engine
 from fxoffload_hf.kv_cache import cache_positions, predicted_cache_bytes, text_config
+from fxoffload_hf.kv_disk import cache_folder
 from fxoffload_hf.memory_model import BudgetTooSmallError, format_bytes
 from fxoffload_hf.micro_batches import split_generate
-from fxoffload_hf.reserved_cache import reserves
+from fxoffload_hf.reserved_cache import on_disk, reserves
 
 _CACHE_ARGUMENTS = {"cache", "past_key_values"}  # Transformers 5.25's name, and earlier versions'
 
@@ -112,7 +115,8 @@ def _generation_settings(model: nn.Module, kwargs: dict[str, Any]) -> Any:
 def counting_kv(model: nn.Module, generate: Callable[..., Any], engine: Engine) -> Callable[..., Any]:
     """``generate`` that first tells the engine the bytes its KV cache will reach (when predicted); a batch
     whose cache cannot fit whole runs in micro-batches where they fit (``micro_batches``), and one refused
-    during its run for its activations is run again so."""
+    during its run for its activations is run again so; where neither fits, the cache is kept on disk
+    (CPU runs whose default cache is reserved: ``reserved_cache.on_disk``)."""
 
     @functools.wraps(generate)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -138,8 +142,49 @@ def counting_kv(model: nn.Module, generate: Callable[..., Any], engine: Engine) 
                 split = split_generate(
                     engine, generate, args, kwargs, call.settings, call.batch, cache, step, built
                 )
-            if split is None:
+            if split is not None:
+                return split
+            if not reserves(model, kwargs, call.settings) or engine.device.type != "cpu":
                 raise
-            return split
+            return _with_cache_on_disk(model, generate, engine, args, kwargs, cache, step)
 
     return run
+
+
+def _with_cache_on_disk(
+    model: nn.Module,
+    generate: Callable[..., Any],
+    engine: Engine,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    cache: int,
+    step: int,
+) -> Any:
+    """Run ``generate`` with its KV cache (``cache`` bytes at the end) in files (``kv_disk``): about two
+    layers of it in memory at a time, beside the step's own ``step`` bytes; refused where even that
+    cannot fit."""
+    layers = len(cache_positions(model.config, 1) or ()) or 1
+    in_memory = 2 * -(-cache // layers)  # two layers' keys and values
+    folder = cache_folder(engine.config.offload_folder)
+    engine.expect_activations(
+        in_memory + step,
+        f"generate's KV cache reaches {format_bytes(cache)} at its last token; kept on disk it still "
+        f"holds {format_bytes(in_memory)} (two layers) in memory",
+        instead=True,
+    )
+    warnings.warn(
+        f"generate's KV cache reaches {format_bytes(cache)}, more than the budget leaves; it is kept in "
+        f"files in {folder}, about two layers of it in memory at a time (the same tokens, more reading "
+        "per token; a larger budget keeps it in memory)",
+        KVCacheOnDiskWarning,
+        stacklevel=3,
+    )
+    try:
+        with on_disk(folder):
+            return generate(*args, **kwargs)
+    finally:
+        gc.collect()  # the cache's layers page each other out, a ring of references: free their files now
+
+
+class KVCacheOnDiskWarning(UserWarning):
+    """A ``generate`` call's KV cache could not fit the budget and is kept on disk instead."""

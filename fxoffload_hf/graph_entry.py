@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fxoffload_hf.activations import ActivationModel
+from fxoffload_hf.kv_disk import on_disk, paged_out_bytes, resident_bytes
 from fxoffload_hf.observers import Profiler
 from fxoffload_hf.runner import GraphRunner
 
@@ -36,19 +37,29 @@ class GraphEntry:
         return self._call_one(args)
 
     def _call_one(self, args: tuple[Any, ...], held: int = 0) -> Any:
-        need = self.activations(args) + held
+        need = self.activations(args) + held - self._paged_out(args)
         if need > self.engine.activation_bytes[self.runner.index]:
             self.engine.activations_grew(self.runner.index, need)
         return self._call(args)
 
+    def _own_tensors(self, args: tuple[Any, ...]) -> list[torch.Tensor]:
+        return [t for i in self.inputs if isinstance(t := args[i], torch.Tensor)]
+
+    def _paged_out(self, args: tuple[Any, ...]) -> int:
+        """What the activation model overstates for a KV cache the call keeps on disk (``kv_disk``)."""
+        return paged_out_bytes(self._own_tensors(args))
+
     def input_bytes(self, calls: list[tuple[Any, ...]]) -> int:
-        """Bytes of the tensors ``calls`` pass of their own (a KV cache, ids), each storage once."""
-        storages = {
-            (tensor := args[i]).untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
-            for args in calls
-            for i in self.inputs
-            if isinstance(args[i], torch.Tensor)
-        }
+        """Bytes of the tensors ``calls`` pass of their own (a KV cache, ids), each storage once; of a KV
+        cache on disk, the part in memory at a time."""
+        storages: dict[int, int] = {}
+        for args in calls:
+            tensors = self._own_tensors(args)
+            paged = [t for t in tensors if on_disk(t)]
+            storages[id(args)] = resident_bytes(paged)
+            for tensor in tensors:
+                if not on_disk(tensor):
+                    storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return sum(storages.values())
 
     def call_together(self, calls: list[tuple[Any, ...]], held: int) -> list[Any]:

@@ -14,6 +14,7 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxoffload_hf.capture import handle_of
+from fxoffload_hf.kv_disk import paged_out_bytes
 from fxoffload_hf.memory_model import nbytes
 from fxoffload_hf.row_lookups import LOOKUPS
 
@@ -41,11 +42,16 @@ def graph_facts(gm: fx.GraphModule, example_inputs: list[Any]) -> GraphFacts:
             names[node] = handle.record.name
             positions[node] = index
             weight_bytes[node] = handle.record.footprint
+    at = {node: i for i, node in enumerate(placeholders)}
+    own = [
+        example_inputs[at[n]] for n in call_inputs(gm.graph, set(weight_bytes)) if at[n] < len(example_inputs)
+    ]
     return GraphFacts(
         names=names,
         positions=positions,
         weight_bytes=weight_bytes,
-        activation_bytes=activation_peak(gm.graph, set(weight_bytes)),
+        # a KV cache kept on disk (``kv_disk``) is held a few layers at a time, not whole
+        activation_bytes=activation_peak(gm.graph, set(weight_bytes)) - paged_out_bytes(own),
         lookups=frozenset(names[w] for w in weight_bytes if only_row_lookups(w)),
     )
 
