@@ -63,11 +63,15 @@ def _deep_llama(build_model):
     return build_model("llama", num_hidden_layers=12)
 
 
-def test_a_cache_larger_than_the_budget_goes_to_disk_and_equals_eager(build_model, weight_bytes, tmp_path):
-    eager = _deep_llama(build_model)
+@pytest.mark.parametrize("arch, new_tokens", [("llama", 300), ("gpt2", 200)])  # gpt2: 256 positions
+def test_a_cache_larger_than_the_budget_goes_to_disk_and_equals_eager(
+    arch, new_tokens, build_model, weight_bytes, tmp_path
+):
+    settings = {**LONG, "max_new_tokens": new_tokens}
+    eager = build_model(arch, num_hidden_layers=12)
     ids = torch.randint(0, 1000, (1, 20), generator=torch.Generator().manual_seed(0))
-    expected = eager.generate(ids, **LONG)
-    model = _deep_llama(build_model)
+    expected = eager.generate(ids, **settings)
+    model = build_model(arch, num_hidden_layers=12)
     budget = int(weight_bytes(model) * 0.3)
     fxoffload_hf.offload(model, cpu_memory=budget, offload_folder=tmp_path)
     paged = []
@@ -80,15 +84,15 @@ def test_a_cache_larger_than_the_budget_goes_to_disk_and_equals_eager(build_mode
 
         kv_disk.DiskTensor.page_out = counting
         with pytest.warns(KVCacheOnDiskWarning, match=f"kept in files in {tmp_path}"):
-            got = model.generate(ids, **LONG)
+            got = model.generate(ids, **settings)
         assert torch.equal(got.sequences, expected.sequences)
         assert all(torch.equal(a, b) for a, b in zip(got.scores, expected.scores, strict=True))
         layers = got.past_key_values.layers
         assert all(isinstance(layer, ReservedLayer) and layer._disk for layer in layers)
         # each step pages out every layer's keys and values once (the first step has no last layer yet)
-        assert len(paged) >= 2 * len(layers) * (LONG["max_new_tokens"] - 1)
+        assert len(paged) >= 2 * len(layers) * (new_tokens - 1)
         engine = fxoffload_hf.engine_of(model)
-        assert len(engine.runners) == 2 and engine.stats.calls == LONG["max_new_tokens"]
+        assert len(engine.runners) == 2 and engine.stats.calls == new_tokens
         # the whole cache would not have fit beside the largest piece: the engine planned for two layers
         assert not engine.fits_activations(sum(s.nbytes for layer in layers for s in layer.stores()))
     finally:
