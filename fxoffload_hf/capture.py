@@ -111,7 +111,10 @@ def handle_of(value: Any) -> GhostHandle | None:
 
 
 def compile_entry(
-    fn: Callable[..., Any], backend: Callable[..., Any], regions: BlockRegions | None = None
+    fn: Callable[..., Any],
+    backend: Callable[..., Any],
+    regions: BlockRegions | None = None,
+    dynamic: bool = True,
 ) -> Callable[..., Any]:
     """``torch.compile`` ``fn`` with our backend, called in one canonical form.
 
@@ -122,9 +125,10 @@ def compile_entry(
     hence a recompile limit above dynamo's default of 8. Data-dependent ops (``.item()`` in mixture-of-experts
     routing) still break the graph: capturing them (``capture_scalar_outputs``) makes LED fail in
     dynamo (a pending unbacked symbol). ``regions`` (the model's repeated blocks) are given up, and the
-    call captured again without them, when dynamo cannot capture one.
+    call captured again without them, when dynamo cannot capture one. ``dynamic=False`` (a plan of one
+    call's sizes) keeps every size static: no symbols to reason about, about half dynamo's tracing.
     """
-    compiled = torch.compile(fn, backend=backend, dynamic=True, fullgraph=False)
+    compiled = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=False)
     canonical = canonical_call(fn)
 
     def run(*args: Any, **kwargs: Any) -> Any:

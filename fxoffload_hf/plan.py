@@ -121,7 +121,7 @@ def capture_on_meta(model: torch.nn.Module, *inputs: Any, stamp_blocks: bool = T
     undo = regions.mark(model) if stamp_blocks else []
     torch._dynamo.reset()
     try:
-        compiled = compile_entry(model.forward, backend, regions)
+        compiled = compile_entry(model.forward, backend, regions, dynamic=False)
         with torch.no_grad():
             try:
                 compiled(*inputs, use_cache=False)
