@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fxoffload_hf.mapped_io import UNIT_BYTES
 from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, format_bytes
 from fxoffload_hf.progress import report
 from fxoffload_hf.stats import Stats
@@ -148,12 +147,11 @@ class Deferral:
 
 class _KeptBytes:
     """What the weights kept for eager calls hold: a copy's bytes, or the 2 MiB units of mapped pages a
-    weight kept in place holds whole, each with every weight's bytes in it (a neighbour's pages, faulted
-    in when it was lent, stay mapped while the unit is held: ``mapped_io``)."""
+    weight kept in place holds whole (``MappedFiles.held_bytes``)."""
 
     def __init__(self, store: WeightStore, kept: Sequence[WeightRecord]) -> None:
         self.store = store
-        self.fill = store.unit_fill()
+        self.in_place = store.in_place_sources()
         self.units: set[tuple[int, int]] = set()
         self.copies = 0
         for record in kept:
@@ -161,17 +159,19 @@ class _KeptBytes:
 
     @property
     def total(self) -> int:
-        return self.copies + sum(min(UNIT_BYTES, self.fill.get(u, 0)) for u in self.units)
+        return self.copies + self.store.files.held_bytes(self.units, self.in_place)
 
     def cost(self, record: WeightRecord) -> int:
         """The bytes keeping ``record`` would add."""
         if not self.store.keeps_in_place(record):
             return record.footprint
-        new = set(self.store.mapped_units(record)) - self.units
-        return sum(min(UNIT_BYTES, self.fill.get(u, 0)) for u in new)
+        assert record.disk is not None
+        new = set(self.store.files.units(record.disk)) - self.units
+        return self.store.files.held_bytes(new, self.in_place)
 
     def add(self, record: WeightRecord) -> None:
         if self.store.keeps_in_place(record):
-            self.units.update(self.store.mapped_units(record))
+            assert record.disk is not None
+            self.units.update(self.store.files.units(record.disk))
         else:
             self.copies += record.footprint

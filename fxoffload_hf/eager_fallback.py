@@ -29,7 +29,7 @@ from torch._dynamo.eval_frame import skip_code
 from fxoffload_hf.capture import handle_of
 from fxoffload_hf.cohort import SharedLock
 from fxoffload_hf.loaders import ROWS_WHERE_THEY_LIE, Way, way_of
-from fxoffload_hf.mapped_io import UNIT_BYTES, MappedGroup
+from fxoffload_hf.mapped_io import MappedGroup
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
 from fxoffload_hf.row_lookups import gather_rows
 from fxoffload_hf.safetensors_io import TensorSlice
@@ -190,9 +190,9 @@ class EagerWeights:
             for r, way in _used_whole(module, ghosts, self._ways(module, ghosts))
             if way is not Way.HELD
         ]
-        units = {unit for r, way in whole if way is Way.MAPPED for unit in self.store.mapped_units(r)}
-        fill = self.store.unit_fill() if units else {}
-        mapped = sum(min(UNIT_BYTES, fill.get(unit, 0)) for unit in units)
+        files = self.store.files
+        units = {unit for r, way in whole if way is Way.MAPPED and r.disk for unit in files.units(r.disk)}
+        mapped = files.held_bytes(units, self.store.in_place_sources()) if units else 0
         return mapped + sum(r.footprint for r, way in whole if way is not Way.MAPPED)
 
     def used_whole(self, module: nn.Module) -> list[str]:

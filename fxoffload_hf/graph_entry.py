@@ -53,14 +53,16 @@ class GraphEntry:
         """Bytes of the tensors ``calls`` pass of their own (a KV cache, ids), each storage once; of a KV
         cache on disk, the part in memory at a time."""
         storages: dict[int, int] = {}
+        resident = 0
         for args in calls:
-            tensors = self._own_tensors(args)
-            paged = [t for t in tensors if on_disk(t)]
-            storages[id(args)] = resident_bytes(paged)
-            for tensor in tensors:
-                if not on_disk(tensor):
+            paged = []
+            for tensor in self._own_tensors(args):
+                if on_disk(tensor):
+                    paged.append(tensor)
+                else:
                     storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return sum(storages.values())
+            resident += resident_bytes(paged)
+        return sum(storages.values()) + resident
 
     def call_together(self, calls: list[tuple[Any, ...]], held: int) -> list[Any]:
         """Run the graph for the first of ``calls`` (a block's members waiting here) in one pass over the

@@ -22,6 +22,7 @@ import mmap
 import os
 import threading
 from collections import Counter
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,7 @@ _MADV_WILLNEED = 3
 _MADV_HUGEPAGE = 14
 _PAGE = mmap.PAGESIZE
 _UNIT_SHIFT = 21  # 2 MiB: the folio size that MADV_HUGEPAGE asks for
+UNIT_BYTES = 1 << _UNIT_SHIFT
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _madvise = _libc.madvise
@@ -86,6 +88,9 @@ class MappedFiles:
         self._lock = threading.Lock()
         self._populate = _MADV_POPULATE_READ
         self._held: Counter[tuple[int, int]] = Counter()  # (mapping start, 2 MiB unit) -> weights using it
+        # the units each view touches, and the bytes of in-place weights per unit, for ``held_bytes``
+        self._units: dict[TensorSlice, list[tuple[int, int]]] = {}
+        self._fill: tuple[frozenset[TensorSlice], dict[tuple[int, int], int]] = (frozenset(), {})
 
     def view(self, source: TensorSlice) -> torch.Tensor:
         """The tensor ``source`` describes, over the file's pages (not yet faulted in).
@@ -246,8 +251,37 @@ class MappedFiles:
             if fd is not None:
                 os.posix_fadvise(fd, address - start, length, os.POSIX_FADV_DONTNEED)
 
+    def units(self, source: TensorSlice) -> list[tuple[int, int]]:
+        """The 2 MiB units of mapped address space ``source``'s view touches: each stays mapped whole
+        while the view is held."""
+        units = self._units.get(source)
+        if units is None:
+            units = self._units[source] = _units(self.view(source))
+        return units
+
+    def held_bytes(self, units: Iterable[tuple[int, int]], in_place: Collection[TensorSlice]) -> int:
+        """What ``units`` can hold faulted in: per unit, the bytes of the weights used in place
+        (``in_place``) that lie in it, at most the unit (a neighbour's pages, faulted in while the unit is
+        held, stay mapped; the kernel maps 2 MiB folios whole)."""
+        key = frozenset(in_place)
+        if key != self._fill[0]:
+            fill: dict[tuple[int, int], int] = {}
+            for source in key:
+                low = self.view(source).data_ptr()
+                for unit in self.units(source):
+                    index = unit[1]
+                    overlap = min(low + source.nbytes, (index + 1) << _UNIT_SHIFT) - max(
+                        low, index << _UNIT_SHIFT
+                    )
+                    fill[unit] = fill.get(unit, 0) + overlap
+            self._fill = (key, fill)
+        fill = self._fill[1]
+        return sum(min(UNIT_BYTES, fill.get(unit, 0)) for unit in units)
+
     def _forget(self, path: Path) -> None:
         mapping = self._maps.pop(path)
+        self._units = {source: units for source, units in self._units.items() if source.path != path}
+        self._fill = (frozenset(), {})
         with _live_lock:
             _live.pop(mapping.view.data_ptr(), None)
         os.close(mapping.fd)  # the pages stay mapped until the last view of them is gone
@@ -319,15 +353,6 @@ def _mapping_start(tensor: torch.Tensor) -> int:
 def _mapping_ends(tensors: list[torch.Tensor]) -> dict[int, int]:
     """Start -> end of the mappings that ``tensors`` view."""
     return {_mapping_start(t): _mapping_start(t) + t.untyped_storage().nbytes() for t in tensors}
-
-
-UNIT_BYTES = 1 << _UNIT_SHIFT
-
-
-def units_of(tensor: torch.Tensor) -> list[tuple[int, int]]:
-    """The 2 MiB units of mapped address space ``tensor`` (a view of a mapping) touches: each stays
-    mapped whole while the tensor is held."""
-    return _units(tensor)
 
 
 def _units(tensor: torch.Tensor) -> list[tuple[int, int]]:

@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from fxoffload_hf.mapped_io import UNIT_BYTES, MappedFiles, can_map, units_of
+from fxoffload_hf.mapped_io import MappedFiles, can_map
 from fxoffload_hf.memory_model import format_bytes, nbytes
 from fxoffload_hf.safetensors_io import TensorSlice, read_header, read_into
 
@@ -324,25 +324,10 @@ class WeightStore:
         """Whether ``keep`` keeps ``record`` as its file's pages mapped (else as a copy)."""
         return self.device.type == "cpu" and record.host is None and record.in_place
 
-    def mapped_units(self, record: WeightRecord) -> list[tuple[int, int]]:
-        """The 2 MiB units of mapped address space ``record`` used in place holds (``mapped_io``:
-        whole units stay mapped, with whatever of their neighbours' pages were faulted in)."""
-        assert record.disk is not None
-        return units_of(self.files.view(record.disk))
-
-    def unit_fill(self) -> dict[tuple[int, int], int]:
-        """Per 2 MiB unit of mapped address space, the bytes of weights used in place that lie in it: what
-        the unit can hold faulted in while mapped (``mapped_bytes``)."""
-        fill: dict[tuple[int, int], int] = {}
+    def in_place_sources(self) -> list[TensorSlice]:
+        """The file bytes of every weight ``keep`` would keep as mapped pages (``keeps_in_place``)."""
         seen = {id(r): r for r in self.records.values() if r.disk is not None and self.keeps_in_place(r)}
-        for record in seen.values():
-            assert record.disk is not None
-            view = self.files.view(record.disk)
-            low, high = view.data_ptr(), view.data_ptr() + record.disk.nbytes
-            for start, unit in units_of(view):
-                overlap = min(high, (unit + 1) * UNIT_BYTES) - max(low, unit * UNIT_BYTES)
-                fill[(start, unit)] = fill.get((start, unit), 0) + overlap
-        return fill
+        return [r.disk for r in seen.values() if r.disk is not None]
 
     def evict(self, name: str) -> None:
         """Stop keeping ``name`` where the model computes (it streams from its host or disk tier)."""
