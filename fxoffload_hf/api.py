@@ -321,6 +321,7 @@ def _guard_modules(
     names = {module: name for name, module in model.named_modules(remove_duplicate=False)}
     in_order = {m: name for m, name in names.items() if m in holders}  # the model's order
     eager = EagerWeights(in_order, engine.lock, engine.store, engine.memory)
+    engine.memory_holders.append(eager)
     for module in holders:
         undo.extend(AttachedHook(handle) for handle in eager.install(module))
         undo.append(

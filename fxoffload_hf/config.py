@@ -30,9 +30,17 @@ COMPILE_BACKENDS = (None, "inductor", "tensorrt")
 # "first-call": capture at each entry point's first call; "deferred": run eagerly until worth capturing
 CAPTURE_MODES = ("first-call", "deferred")
 CAPTURE_ENV = "FXOFFLOAD_HF_CAPTURE"  # the capture mode where none is passed (default "deferred")
+# "0": captured graphs' state is not counted in a CPU budget (tests that force many pieces with budgets
+# below it set this); anything else, or unset, counts it
+GRAPH_STATE_ENV = "FXOFFLOAD_HF_COUNT_GRAPH_STATE"
 RESIDENT_THRESHOLD = 64 * 1024  # parameters smaller than this stay where the model computes
 
 BudgetSpec = int | float | str | None
+
+
+def counts_graph_state() -> bool:
+    """Whether captured graphs' state is counted in a CPU budget (``$FXOFFLOAD_HF_COUNT_GRAPH_STATE``)."""
+    return os.environ.get(GRAPH_STATE_ENV, "1") != "0"
 
 
 def resolve_capture(capture: str | None) -> str:

@@ -20,8 +20,9 @@ from torch import fx
 from fxoffload_hf import eager_paths, row_lookups, tiles
 from fxoffload_hf.activations import activation_model
 from fxoffload_hf.cohort import Cohort, SharedLock
-from fxoffload_hf.config import OffloadConfig
+from fxoffload_hf.config import OffloadConfig, counts_graph_state
 from fxoffload_hf.deferral import Deferral
+from fxoffload_hf.eager_fallback import EagerWeights
 from fxoffload_hf.graph_entry import GraphEntry
 from fxoffload_hf.graphs import call_inputs, capture_device, graph_facts, retarget_devices
 from fxoffload_hf.loaders import DeviceOps, InlineReader, ThreadedReader, make_loader
@@ -83,6 +84,10 @@ class Engine:
         counts_ram = config.device.type != "cpu" or config.cpu_memory is not None
         self.deferral = Deferral(config.capture == "deferred", memory, store, counts_ram, self.stats)
         self.eager_depth = 0  # entry-point calls running eagerly now (nested entry points inside one)
+        # whatever else checks the budget (the deferral, eager calls' lent weights): given the memory model
+        # again when captured graphs' state is counted in it (``_count_graph_state``)
+        self.memory_holders: list[Deferral | EagerWeights] = [self.deferral]
+        self._counts_graph_state = counts_graph_state()
 
     @property
     def deferring(self) -> bool:
@@ -97,6 +102,7 @@ class Engine:
         if traced_on is not None and traced_on != self.device:
             retarget_devices(gm.graph, traced_on, self.device)
             gm.recompile()
+        self._count_graph_state(len(gm.graph.nodes))
         facts = graph_facts(gm, example_inputs)
         device_type = self.loader.device_type
         if device_type == "cuda" and facts.lookups:
@@ -156,6 +162,19 @@ class Engine:
             pieces,
             time.perf_counter() - received,
         )
+
+    def _count_graph_state(self, ops: int) -> None:
+        """Count a new graph's state (dynamo's and ours, in host memory) in a CPU budget, before its pieces
+        are cut and its weights kept: it holds that memory as long as the model lives."""
+        if (
+            not self._counts_graph_state
+            or self.memory.budget is None
+            or self.memory.budget_name != "cpu_memory"
+        ):
+            return
+        self.memory = self.memory.with_graph(ops)
+        for holder in self.memory_holders:
+            holder.memory = self.memory
 
     def _make_room_for_activations(self, activation_bytes: int) -> None:
         """On the CPU, weights kept whole in RAM at offload time (activations unknown then) go to disk

@@ -15,7 +15,7 @@ from torch import fx
 from fxoffload_hf import plan_depth, tiles
 from fxoffload_hf.blocks import BlockRegions, region_counts
 from fxoffload_hf.capture import compile_entry
-from fxoffload_hf.config import RESIDENT_THRESHOLD, BudgetSpec, parse_budgets
+from fxoffload_hf.config import RESIDENT_THRESHOLD, BudgetSpec, counts_graph_state, parse_budgets
 from fxoffload_hf.graphs import activation_peak, call_inputs, only_row_lookups
 from fxoffload_hf.kv_cache import kv_cache_bytes
 from fxoffload_hf.memory import free_device_memory, free_host_memory
@@ -52,6 +52,7 @@ class PlanReport:
     blocks_traced: int = 0  # repeated blocks traced by dynamo, and those stamped out from that trace
     blocks_reused: int = 0
     kv_cache_bytes: int = 0  # generate's cache at batch x seq_len (full attention)
+    graph_state_bytes: int = 0  # host memory generate's two captured graphs hold (CPU budgets)
     tradeoff: list[Estimate] = field(default_factory=list)
     error: str | None = None
 
@@ -71,6 +72,12 @@ class PlanReport:
             f"budget             {self.budget_name}={format_bytes(self.budget)}",
             f"smallest budget    {format_bytes(self.smallest_budget)} (set by {self.floor_set_by})",
         ]
+        if self.graph_state_bytes:
+            lines.insert(
+                5,
+                f"captured graphs    {format_bytes(self.graph_state_bytes)} (dynamo's state of generate's "
+                "two graphs, in host memory)",
+            )
         if self.error:
             lines.append(f"cannot run         {self.error}")
             return "\n".join(lines)
@@ -220,6 +227,10 @@ def plan_config(
     itemsize = _dtype_bytes(model)
     tileable = {w for w in sizes if sizes[w] and tiles.can_tile(w, shapes[w])}
     memory = MemoryModel.where_it_computes(device_type, gpu_budget, cpu_budget, small)
+    if (
+        device_type == "cpu" and counts_graph_state()
+    ):  # generate captures two graphs (prefill, decode), each about this one's size
+        memory = memory.with_graph(len(gm.graph.nodes)).with_graph(len(gm.graph.nodes))
     floors = {
         w: memory.smallest_budget(
             tiles.smallest_tile_bytes(shapes[w], itemsize, device_type),
@@ -242,10 +253,11 @@ def plan_config(
         arena_bytes=0,
         resident_bytes_max=0,
         smallest_budget=floors[heaviest] if heaviest else memory.smallest_budget(0, activations),
-        floor_set_by=_floor_reason(heaviest, heaviest in tileable, sizes, labels, activations, small),
+        floor_set_by=_floor_reason(heaviest, heaviest in tileable, sizes, labels, activations, memory),
         device=device_type,
         blocks_traced=capture.blocks_traced,
         blocks_reused=capture.blocks_reused,
+        graph_state_bytes=memory.graph_bytes,
     )
     full = report.weight_bytes + small + activations
     largest = max(sizes.values(), default=0)
@@ -253,14 +265,16 @@ def plan_config(
         estimate(
             b,
             weights=report.weight_bytes,
-            fixed=small,
+            fixed=small + memory.graph_bytes,
             activations=activations,
-            in_flight=min(2 * largest, report.weight_bytes, max(b - small - activations, 0)),
+            in_flight=min(
+                2 * largest, report.weight_bytes, max(b - small - memory.graph_bytes - activations, 0)
+            ),
             device_type=device_type,
             host_budget=cpu_budget if device_type == "cuda" else None,
             bandwidths=bandwidths or Bandwidths(),
         )
-        for b in budgets_between(report.smallest_budget, full)
+        for b in budgets_between(report.smallest_budget, full + memory.graph_bytes)
     ]
     room = memory.room(activations)
     if room is not None:
@@ -376,14 +390,18 @@ def _floor_reason(
     sizes: dict[fx.Node, int],
     labels: dict[fx.Node, str],
     activations: int,
-    small: int,
+    memory: MemoryModel,
 ) -> str:
     """What sets the smallest budget: the largest weight streamed alone (or its smallest tiles), the
-    activations, small tensors."""
+    activations, captured graphs' state, small tensors."""
     if heaviest is None:
         what = "no weights"
     elif tiled:
         what = f"{labels[heaviest]} ({format_bytes(sizes[heaviest])}) streamed in its smallest tiles of rows"
     else:
         what = f"{labels[heaviest]} ({format_bytes(sizes[heaviest])}) streamed alone"
-    return f"{what} + {format_bytes(activations)} of activations and KV cache + {format_bytes(small)} of small tensors"
+    graphs = f" + {format_bytes(memory.graph_bytes)} of captured graphs" if memory.graph_bytes else ""
+    return (
+        f"{what} + {format_bytes(activations)} of activations and KV cache{graphs} + "
+        f"{format_bytes(memory.fixed_bytes)} of small tensors"
+    )

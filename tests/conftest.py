@@ -26,6 +26,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # caller's environment; the default, deferred capture, is tested where a test asks for it
 # (``tests/test_deferred_capture.py``, with ``default_capture``)
 os.environ["FXOFFLOAD_HF_CAPTURE"] = "first-call"
+# its budgets force many pieces and every tier on tiny models, below what dynamo's state of their graphs
+# takes: that state is counted where a test asks for it (``counted_graph_state``)
+os.environ["FXOFFLOAD_HF_COUNT_GRAPH_STATE"] = "0"
 # ``make test`` runs the suite in several workers (pytest-xdist): the cores are shared among them
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, 2 // _WORKERS))
@@ -289,6 +292,12 @@ def place_data_at_fixture() -> Callable[[Path, int], None]:
     """``place_data_at(folder, remainder)``: rewrite the folder's shards so that their data sections start
     at ``remainder`` modulo 16 bytes (ops compute with mapped pages only at 0)."""
     return lambda folder, remainder: align_shards_in_place(folder, data_start=remainder)
+
+
+@pytest.fixture
+def counted_graph_state(monkeypatch) -> None:
+    """Captured graphs' state counted in CPU budgets, as by default (the suite otherwise leaves it out)."""
+    monkeypatch.delenv("FXOFFLOAD_HF_COUNT_GRAPH_STATE")
 
 
 @pytest.fixture

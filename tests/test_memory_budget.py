@@ -1,9 +1,10 @@
-"""With cpu_memory at 25% of the checkpoint, the process's peak memory while it runs stays near the budget:
-within 5% of it by default (a short answer runs eagerly, each module lent its weights within the budget,
-the weights kept and lent counted as the whole 2 MiB units of mapping they hold), within a fixed slack
-when captured from the first call (dynamo's state of each graph is not counted yet). Loading allocates
-less than 5% of the budget; Transformers' indexing read of every tensor maps the shards' clean file
-pages for a moment, which the run's peak leaves out."""
+"""The process's peak memory while it runs stays near cpu_memory. By default, at 25% of the checkpoint,
+within 5% of it (a short answer runs eagerly, each module lent its weights within the budget, the weights
+kept and lent counted as the whole 2 MiB units of mapping they hold). Captured from the first call, at
+50% (the graphs' state, counted in the budget, takes about half of it here), within a fixed slack: the
+streamed pieces' file pages are counted by their weights' bytes, not yet as the 2 MiB units they map.
+Loading allocates less than 5% of the budget; Transformers' indexing read of every tensor maps the
+shards' clean file pages for a moment, which the run's peak leaves out."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-# Captured: about 20 MiB per graph (dynamo's graphs, guards and fake tensors) with four graphs for a
-# generate call, plus activations; none of it is weights, and it does not grow with the model.
-CAPTURED_SLACK = 160 * 2**20
+# Captured: dynamo's state of each graph is counted in the budget (``memory_model.graph_state_bytes``);
+# what is left over is the 2 MiB units of mapping the streamed pieces' weights fault in beside them
+# (measured 41 MiB over a 125 MiB budget), and the per-op estimate's error.
+CAPTURED_SLACK = 64 * 2**20
+SHARE = {"deferred": "0.25", "first-call": "0.5"}
 
 
 @pytest.mark.slow
@@ -45,11 +48,11 @@ def test_peak_memory_stays_within_cpu_budget_plus_slack(tmp_path: Path, capture:
     tf.LlamaForCausalLM(tiny).save_pretrained(small)
     child = Path(__file__).with_name("memory_child.py")
     done = subprocess.run(
-        [sys.executable, str(child), str(big), str(small), "0.25"],
+        [sys.executable, str(child), str(big), str(small), SHARE[capture]],
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "FXOFFLOAD_HF_CAPTURE": capture},
+        env={**os.environ, "FXOFFLOAD_HF_CAPTURE": capture, "FXOFFLOAD_HF_COUNT_GRAPH_STATE": "1"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fxoffload_hf.memory_model import (
+    GRAPH_STATE_BYTES_PER_OP,
     BudgetTooSmallError,
     MemoryModel,
     aligned,
@@ -36,6 +37,16 @@ def test_what_is_held_adds_up_and_fits_exactly_at_the_budget():
     assert not memory.fits(activations=200, resident=300, in_flight=401)
     assert memory.room(200) == 700
     assert MemoryModel(None).fits(resident=10**15) and MemoryModel(None).room(5) is None
+
+
+def test_captured_graphs_state_is_held_beside_everything_else_and_named_when_too_much():
+    memory = MemoryModel(10**7, "cpu_memory", fixed_bytes=100).with_graph(100).with_graph(50)
+    assert memory.graph_bytes == 150 * GRAPH_STATE_BYTES_PER_OP
+    assert memory.need(activations=7) == 100 + 150 * GRAPH_STATE_BYTES_PER_OP + 7
+    assert memory.room(0) == 10**7 - 100 - memory.graph_bytes
+    assert memory.smallest_budget(64, 0) == 100 + memory.graph_bytes + 64
+    assert "captured graphs' state" in str(memory.too_small(memory.smallest_budget(64, 0)))
+    assert "captured graphs" not in str(MemoryModel(10).too_small(100))
 
 
 def test_piece_target_splits_the_room_by_policy():

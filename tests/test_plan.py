@@ -121,3 +121,23 @@ def test_the_floor_is_set_by_the_smallest_tile_not_the_largest_table(device):
     if device == "cuda":
         cpu = plan_config(config, device="cpu", seq_len=16, cpu_memory=table // 4)
         assert report.smallest_budget < cpu.smallest_budget
+
+
+@pytest.mark.usefixtures("counted_graph_state")
+def test_a_cpu_floor_counts_generates_two_captured_graphs_a_gpu_floor_does_not(monkeypatch):
+    import transformers as tf
+
+    from fxoffload_hf.memory_model import GRAPH_STATE_BYTES_PER_OP
+
+    config = tf.LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_attention_heads=4, num_hidden_layers=3, vocab_size=1000
+    )
+    cpu = plan_config(config, device="cpu", seq_len=16, cpu_memory="1GiB")
+    gpu = plan_config(config, device="cuda", seq_len=16, gpu_memory="1GiB")
+    assert cpu.graph_state_bytes > 0 and cpu.graph_state_bytes % (2 * GRAPH_STATE_BYTES_PER_OP) == 0
+    assert "captured graphs" in cpu.floor_set_by and "captured graphs" in cpu.table()
+    assert gpu.graph_state_bytes == 0 and "captured graphs" not in gpu.table()
+    # the same plan without the count: the floor is lower by exactly the graphs' state
+    monkeypatch.setenv("FXOFFLOAD_HF_COUNT_GRAPH_STATE", "0")
+    uncounted = plan_config(config, device="cpu", seq_len=16, cpu_memory="1GiB")
+    assert cpu.smallest_budget - uncounted.smallest_budget == cpu.graph_state_bytes
