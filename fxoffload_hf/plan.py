@@ -62,6 +62,12 @@ class PlanReport:
         return out
 
     def table(self) -> str:
+        graphs: list[str] = []  # shown where counted: CPU plans
+        if self.graph_state_bytes:
+            graphs.append(
+                f"captured graphs    {format_bytes(self.graph_state_bytes)} (dynamo's state of generate's "
+                "two graphs, in host memory)"
+            )
         lines = [
             f"model              {self.model}",
             f"weights            {format_bytes(self.weight_bytes)}",
@@ -69,15 +75,10 @@ class PlanReport:
             f"activation peak    {format_bytes(self.activation_bytes)} (estimated, one forward)",
             f"KV cache           {format_bytes(self.kv_cache_bytes)} (generate up to that length; a decode "
             "step holds two)",
+            *graphs,
             f"budget             {self.budget_name}={format_bytes(self.budget)}",
             f"smallest budget    {format_bytes(self.smallest_budget)} (set by {self.floor_set_by})",
         ]
-        if self.graph_state_bytes:
-            lines.insert(
-                5,
-                f"captured graphs    {format_bytes(self.graph_state_bytes)} (dynamo's state of generate's "
-                "two graphs, in host memory)",
-            )
         if self.error:
             lines.append(f"cannot run         {self.error}")
             return "\n".join(lines)
@@ -227,9 +228,8 @@ def plan_config(
     itemsize = _dtype_bytes(model)
     tileable = {w for w in sizes if sizes[w] and tiles.can_tile(w, shapes[w])}
     memory = MemoryModel.where_it_computes(device_type, gpu_budget, cpu_budget, small)
-    if (
-        device_type == "cpu" and counts_graph_state()
-    ):  # generate captures two graphs (prefill, decode), each about this one's size
+    # generate captures two graphs (prefill, decode), each about this one's size
+    if device_type == "cpu" and counts_graph_state():
         memory = memory.with_graph(len(gm.graph.nodes)).with_graph(len(gm.graph.nodes))
     floors = {
         w: memory.smallest_budget(
@@ -259,22 +259,21 @@ def plan_config(
         blocks_reused=capture.blocks_reused,
         graph_state_bytes=memory.graph_bytes,
     )
-    full = report.weight_bytes + small + activations
+    held = memory.need()  # small tensors and the graphs' state, beside the activations
+    full = report.weight_bytes + held + activations
     largest = max(sizes.values(), default=0)
     report.tradeoff = [
         estimate(
             b,
             weights=report.weight_bytes,
-            fixed=small + memory.graph_bytes,
+            fixed=held,
             activations=activations,
-            in_flight=min(
-                2 * largest, report.weight_bytes, max(b - small - memory.graph_bytes - activations, 0)
-            ),
+            in_flight=min(2 * largest, report.weight_bytes, max(b - held - activations, 0)),
             device_type=device_type,
             host_budget=cpu_budget if device_type == "cuda" else None,
             bandwidths=bandwidths or Bandwidths(),
         )
-        for b in budgets_between(report.smallest_budget, full + memory.graph_bytes)
+        for b in budgets_between(report.smallest_budget, full)
     ]
     room = memory.room(activations)
     if room is not None:
