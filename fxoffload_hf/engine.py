@@ -219,11 +219,13 @@ class Engine:
             return
         smallest = self.memory.smallest_budget(self._largest_unit(), need)
         if smallest > budget:
-            raise self.memory.too_small(
-                smallest,
-                need,
-                f"{what}: ask for fewer new tokens or a smaller batch, or pass a larger budget",
+            # fewer tokens help only where the rest (the largest piece, captured graphs' state) fits alone
+            advice = (
+                "ask for fewer new tokens or a smaller batch, or pass a larger budget"
+                if self.memory.smallest_budget(self._largest_unit(), 0) <= budget
+                else "the budget cannot hold the rest even without it"
             )
+            raise self.memory.too_small(smallest, need, f"{what}: {advice}")
         self.expected_activations = need
         if self.plan is not None:
             self.replan()

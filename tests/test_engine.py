@@ -30,9 +30,15 @@ def test_each_captured_graphs_state_is_counted_and_a_budget_below_it_is_refused_
     assert all(m is not None and m.graph_bytes == counted for m in held)  # every check sees it
     # a budget the weights alone would stream in, below the graph's state: refused, naming it
     tight = fxoffload_hf.from_pretrained(folder, cpu_memory=counted // 2, device="cpu")
+    tight_engine = fxoffload_hf.engine_of(tight)
     try:
         with pytest.raises(BudgetTooSmallError, match="captured graphs' state") as refused, torch.no_grad():
             tight(ids, use_cache=False)
     finally:
         fxoffload_hf.restore(tight)
     assert refused.value.smallest_budget > counted
+    # a generate's KV cache is blamed only where the rest fits without it
+    with pytest.raises(BudgetTooSmallError, match="cannot hold the rest even without it"):
+        tight_engine.expect_activations(1024, "a KV cache of 1 KiB")
+    with pytest.raises(BudgetTooSmallError, match="ask for fewer new tokens"):
+        engine.expect_activations(2**30, "a KV cache of 1 GiB")
