@@ -88,6 +88,7 @@ class Engine:
         # again when captured graphs' state is counted in it (``_count_graph_state``)
         self.memory_holders: list[Deferral | EagerWeights] = [self.deferral]
         self._counts_graph_state = counts_graph_state()
+        self._graphs_expected = 0  # set by ``expecting_graphs``
 
     @property
     def deferring(self) -> bool:
@@ -172,9 +173,50 @@ class Engine:
             or self.memory.budget_name != "cpu_memory"
         ):
             return
-        self.memory = self.memory.with_graph(ops)
+        self._set_memory(self.memory.with_graph(ops))
+        self._keep_fewer_weights()
+
+    def capture_finished(self) -> None:
+        """A new graph's first call begins: dynamo has finished capturing it. A CPU budget keeps room for
+        the next capture only while the call expects more graphs (``expecting_graphs``)."""
+        if not self.memory.capture_reserve:
+            return
+        another = len(self.runners) < self._graphs_expected
+        self._set_memory(self.memory.with_capture_reserve(self.memory.capture_reserve if another else 0))
+
+    @contextmanager
+    def expecting_graphs(self, count: int) -> Iterator[None]:
+        """Within: a call that captures up to ``count`` graphs in all (generate: its prefill and decode
+        graphs). While fewer are captured, a CPU budget keeps room to trace the next (``with_graph``)."""
+        self._graphs_expected = count
+        try:
+            yield
+        finally:
+            self._graphs_expected = 0
+            if self.memory.capture_reserve:
+                self._set_memory(self.memory.with_capture_reserve(0))
+
+    def _set_memory(self, memory: MemoryModel) -> None:
+        self.memory = memory
         for holder in self.memory_holders:
-            holder.memory = self.memory
+            holder.memory = memory
+
+    def _keep_fewer_weights(self) -> None:
+        """Let go of kept weights that the budget, now counting more, no longer has room for: they were
+        chosen from the last profile under the old count, and would otherwise stay until the new graph's
+        profile, beside its state and its first call (only evictions: nothing is read here)."""
+        profiles = [graph.profile for graph in self._inputs if graph.profile]
+        if not profiles or self.config.policy != "auto":
+            return
+        kept = {
+            name
+            for name, record in self.store.records.items()
+            if self.store.movable(record) and record.resident is not None
+        }
+        wanted = choose_resident(list(profiles[-1]), self.memory, self._activations())
+        if kept - wanted:
+            self.store.set_residents(kept & wanted)
+            self.replan()
 
     def _make_room_for_activations(self, activation_bytes: int) -> None:
         """On the CPU, weights kept whole in RAM at offload time (activations unknown then) go to disk

@@ -120,6 +120,11 @@ def counting_kv(model: nn.Module, generate: Callable[..., Any], engine: Engine) 
 
     @functools.wraps(generate)
     def run(*args: Any, **kwargs: Any) -> Any:
+        # a generate captures two graphs: the prefill's and, with the first longer input, the decode's
+        with engine.expecting_graphs(2):
+            return counted(*args, **kwargs)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
         call = read_call(model, args, kwargs)
         cache = 0 if call is None else _cache_bytes(model, call)
         if call is None or not cache:

@@ -93,6 +93,7 @@ class GraphEntry:
         device = engine.device
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
         profiler = Profiler(engine.weight_sizes, sync)
+        engine.capture_finished()
         engine.current()
         runner.observers = (*engine.observers, profiler)
         engine.loader.time_copies = True

@@ -4,7 +4,9 @@ Everything the engine holds where the model computes is counted here:
 
     fixed (small parameters and buffers kept on the device)
   + captured graphs' state (dynamo's graphs, guards and fake values, in host memory: CPU budgets only)
-  + activations (the peak of live intermediates of the largest graph)
+  + activations (the peak of live intermediates of the largest graph), or, where larger, the room kept
+    for dynamo's transient while a graph is captured (between calls: generate's decode graph after its
+    prefill)
   + resident weights (kept between calls)
   + pieces in flight (``distance + 1`` consecutive streamed pieces, each laid out at aligned offsets;
     a piece that does not fit beside the one before it waits for it: the floor is the largest alone)
@@ -122,14 +124,15 @@ class MemoryModel:
 
     ``budget`` is None when there is no limit; ``budget_name`` is the keyword the user set it with
     (``cpu_memory`` or ``gpu_memory``), used in every message; ``fixed_bytes`` are the small parameters
-    and buffers kept on the device; ``graph_bytes`` the host memory the graphs captured so far hold
-    (``with_graph``).
+    and buffers kept on the device; ``graph_bytes`` the host memory the graphs captured so far hold and
+    ``capture_reserve`` the room kept for a capture under way or expected (``with_graph``).
     """
 
     budget: int | None
     budget_name: str = "gpu_memory"
     fixed_bytes: int = 0
     graph_bytes: int = 0
+    capture_reserve: int = 0
 
     @classmethod
     def where_it_computes(
@@ -143,12 +146,23 @@ class MemoryModel:
 
     def with_graph(self, ops: int) -> MemoryModel:
         """This budget with one more captured graph of ``ops`` ops counted in it (its state lies in host
-        memory: it counts where the budget is the host's)."""
-        return replace(self, graph_bytes=self.graph_bytes + graph_state_bytes(ops))
+        memory: it counts where the budget is the host's), and room kept for as much again while dynamo
+        finishes the capture (it builds the graph's guards after the backend returns, a transient about
+        that large), until ``with_capture_reserve`` says otherwise."""
+        state = graph_state_bytes(ops)
+        return replace(self, graph_bytes=self.graph_bytes + state, capture_reserve=state)
+
+    def with_capture_reserve(self, reserve: int) -> MemoryModel:
+        """This budget keeping ``reserve`` bytes for a capture to come (tracing a graph grows host memory
+        about as much as its state before the backend sees it), or none."""
+        return replace(self, capture_reserve=reserve)
 
     def need(self, *, activations: int = 0, resident: int = 0, in_flight: int = 0) -> int:
         """Bytes held at once with these activations, resident weights and pieces in flight."""
-        return self.fixed_bytes + self.graph_bytes + activations + resident + in_flight
+        # a capture happens between calls: its transient takes the room of activations, not of weights
+        # (the staging arena stays allocated between calls)
+        between = max(activations, self.capture_reserve)
+        return self.fixed_bytes + self.graph_bytes + between + resident + in_flight
 
     def fits(self, *, activations: int = 0, resident: int = 0, in_flight: int = 0) -> bool:
         """Whether that much fits the budget (always, without one)."""
@@ -180,6 +194,8 @@ class MemoryModel:
             else ""
         )
         graphs = f", {format_bytes(self.graph_bytes)} of captured graphs' state" if self.graph_bytes else ""
+        if self.capture_reserve:
+            graphs += f", {format_bytes(self.capture_reserve)} kept for capturing a graph"
         return BudgetTooSmallError(
             f"{self.budget_name}={format_bytes(self.budget)} is too small for this model{what}. "
             f"The largest piece alone, {format_bytes(activations)} of activations{graphs} and "

@@ -228,7 +228,8 @@ def plan_config(
     itemsize = _dtype_bytes(model)
     tileable = {w for w in sizes if sizes[w] and tiles.can_tile(w, shapes[w])}
     memory = MemoryModel.where_it_computes(device_type, gpu_budget, cpu_budget, small)
-    # generate captures two graphs (prefill, decode), each about this one's size
+    # generate captures two graphs (prefill, decode), each about this one's size; the floor holds the
+    # second's capture transient too (``MemoryModel.with_graph``), the steady state does not
     if device_type == "cpu" and counts_graph_state():
         memory = memory.with_graph(len(gm.graph.nodes)).with_graph(len(gm.graph.nodes))
     floors = {
@@ -259,6 +260,7 @@ def plan_config(
         blocks_reused=capture.blocks_reused,
         graph_state_bytes=memory.graph_bytes,
     )
+    memory = memory.with_capture_reserve(0)
     held = memory.need()  # small tensors and the graphs' state, beside the activations
     full = report.weight_bytes + held + activations
     largest = max(sizes.values(), default=0)
@@ -400,7 +402,7 @@ def _floor_reason(
     else:
         what = f"{labels[heaviest]} ({format_bytes(sizes[heaviest])}) streamed alone"
     graphs = f" + {format_bytes(memory.graph_bytes)} of captured graphs" if memory.graph_bytes else ""
-    return (
-        f"{what} + {format_bytes(activations)} of activations and KV cache{graphs} + "
-        f"{format_bytes(memory.fixed_bytes)} of small tensors"
-    )
+    between = f"{format_bytes(activations)} of activations and KV cache"
+    if memory.capture_reserve > activations:
+        between = f"{format_bytes(memory.capture_reserve)} kept while a graph is captured (more than the activations)"
+    return f"{what} + {between}{graphs} + {format_bytes(memory.fixed_bytes)} of small tensors"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxoffload_hf.memory_model import GRAPH_STATE_BYTES_PER_OP, BudgetTooSmallError
+from fxoffload_hf.memory_model import GRAPH_STATE_BYTES_PER_OP, BudgetTooSmallError, graph_state_bytes
 
 
 @pytest.mark.usefixtures("counted_graph_state")
@@ -42,3 +42,60 @@ def test_each_captured_graphs_state_is_counted_and_a_budget_below_it_is_refused_
         tight_engine.expect_activations(1024, "a KV cache of 1 KiB")
     with pytest.raises(BudgetTooSmallError, match="ask for fewer new tokens"):
         engine.expect_activations(2**30, "a KV cache of 1 GiB")
+
+
+@pytest.mark.usefixtures("counted_graph_state")
+def test_a_generate_keeps_room_for_its_second_capture_and_lets_kept_weights_go_when_it_comes(llama_ckpt):
+    import fxoffload_hf
+
+    folder, eager = llama_ckpt
+    ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(1))
+    generate = {"max_new_tokens": 4, "do_sample": False}
+    probe = fxoffload_hf.from_pretrained(folder, cpu_memory="256MiB", device="cpu")
+    probed, ops = fxoffload_hf.engine_of(probe), []
+    count_probed = probed._count_graph_state
+    probed._count_graph_state = lambda n: (ops.append(n), count_probed(n))
+    try:
+        with torch.no_grad():
+            probe.generate(ids, **generate)
+        fixed, (prefill, decode) = probed.memory.fixed_bytes, map(graph_state_bytes, ops)
+    finally:
+        fxoffload_hf.restore(probe)
+    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    # room for both graphs' state, the decode graph's capture transient and three quarters of the weights:
+    # while the prefill runs, the room its transient will take holds all the weights
+    budget = fixed + prefill + 2 * decode + weights * 3 // 4
+    model = fxoffload_hf.from_pretrained(folder, cpu_memory=budget, device="cpu")
+    engine = fxoffload_hf.engine_of(model)
+    store = engine.store
+
+    def kept() -> int:
+        return sum(r.nbytes for r in store.weights() if r.resident is not None and store.movable(r))
+
+    counted, finished = [], []
+    count, finish = engine._count_graph_state, engine.capture_finished
+
+    def counting(ops: int) -> None:
+        before = kept()
+        count(ops)
+        counted.append((before, kept(), engine.memory))
+
+    def finishing() -> None:
+        finish()
+        finished.append(engine.memory.capture_reserve)
+
+    engine._count_graph_state, engine.capture_finished = counting, finishing
+    try:
+        with torch.no_grad():
+            got = model.generate(ids, **generate)
+        after = engine.memory
+    finally:
+        fxoffload_hf.restore(model)
+    with torch.no_grad():
+        assert torch.equal(got, eager.generate(ids, **generate))
+    (_, _, first), (before, now, second) = counted
+    assert first.capture_reserve == first.graph_bytes  # room for dynamo's transient as it finishes graph 1
+    assert finished[0] == first.capture_reserve  # kept through graph 1's calls: generate expects another
+    # graph 2's state is counted before it runs: what graph 1's profile kept shrinks to fit beside it
+    assert before > now and second.fits(resident=now)
+    assert finished[1] == 0 and after.capture_reserve == 0  # no capture expected any more

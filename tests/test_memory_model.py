@@ -40,13 +40,27 @@ def test_what_is_held_adds_up_and_fits_exactly_at_the_budget():
 
 
 def test_captured_graphs_state_is_held_beside_everything_else_and_named_when_too_much():
-    memory = MemoryModel(10**7, "cpu_memory", fixed_bytes=100).with_graph(100).with_graph(50)
-    assert memory.graph_bytes == 150 * GRAPH_STATE_BYTES_PER_OP
+    capturing = MemoryModel(10**7, "cpu_memory", fixed_bytes=100).with_graph(100).with_graph(50)
+    assert capturing.graph_bytes == 150 * GRAPH_STATE_BYTES_PER_OP
+    memory = capturing.with_capture_reserve(0)
     assert memory.need(activations=7) == 100 + 150 * GRAPH_STATE_BYTES_PER_OP + 7
     assert memory.room(0) == 10**7 - 100 - memory.graph_bytes
     assert memory.smallest_budget(64, 0) == 100 + memory.graph_bytes + 64
     assert "captured graphs' state" in str(memory.too_small(memory.smallest_budget(64, 0)))
     assert "captured graphs" not in str(MemoryModel(10).too_small(100))
+
+
+def test_a_capture_keeps_room_for_its_transient_in_place_of_activations_until_released():
+    state = 50 * GRAPH_STATE_BYTES_PER_OP
+    capturing = MemoryModel(10**7, "cpu_memory", fixed_bytes=100).with_graph(50)
+    assert capturing.capture_reserve == state  # dynamo finishes the capture after the backend returns
+    # between calls the transient takes the activations' room: the larger of the two is held
+    assert capturing.need(activations=7, resident=3, in_flight=5) == 100 + state + state + 3 + 5
+    assert capturing.need(activations=state + 9) == 100 + state + state + 9
+    assert capturing.smallest_budget(64, 0) == 100 + 2 * state + 64
+    assert "kept for capturing a graph" in str(capturing.too_small(capturing.smallest_budget(64, 0)))
+    released = capturing.with_capture_reserve(0)
+    assert released.need(activations=7) == 100 + state + 7 and released.graph_bytes == state
 
 
 def test_piece_target_splits_the_room_by_policy():
