@@ -86,15 +86,18 @@ class PeakSampler:
         self.peak = dict.fromkeys(keys, 0)
         self.peak_all = dict.fromkeys(keys, 0)
         self._lock = threading.Lock()
+        self._window = 0  # bumped by ``reset``: a sample read before it is not folded into the new window
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="peak-sampler")
 
     def sample(self) -> dict[str, int]:
         """Read the keys now, fold them into the peaks, and return them."""
+        window = self._window
         now = process_status(self.keys)
         with self._lock:
             for key, value in now.items():
-                self.peak[key] = max(self.peak[key], value)
+                if window == self._window:
+                    self.peak[key] = max(self.peak[key], value)
                 self.peak_all[key] = max(self.peak_all[key], value)
         return now
 
@@ -102,8 +105,9 @@ class PeakSampler:
         """Start a new peak window at the current values; with ``kernel_mark``, ``VmHWM``'s too."""
         if kernel_mark:
             reset_peak_rss()
-        now = process_status(self.keys)
         with self._lock:
+            self._window += 1
+            now = process_status(self.keys)
             self.peak.update(now)
         return now
 
