@@ -10,7 +10,7 @@ weights stay, how far ahead to load), the store moves the weights, and a new pla
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -213,7 +213,7 @@ class Engine:
             for name, record in self.store.records.items()
             if self.store.movable(record) and record.resident is not None
         }
-        wanted = choose_resident(list(profiles[-1]), self.memory, self._activations())
+        wanted = choose_resident(list(profiles[-1]), self.memory, self._activations(), self._held)
         if kept - wanted:
             self.store.set_residents(kept & wanted)
             self.replan()
@@ -245,7 +245,7 @@ class Engine:
         self._make_room_for_activations(need)
         profile = self._inputs[index].profile
         if budget is not None:
-            wanted = choose_resident(list(profile), self.memory, need) if profile else set()
+            wanted = choose_resident(list(profile), self.memory, need, self._held) if profile else set()
             self.store.set_residents(wanted)
         self.replan()
 
@@ -323,7 +323,12 @@ class Engine:
             policy=self.config.policy,
             threaded=self._threaded,
             inline=self._inline,
+            held=self.store.held_bytes,
         )
+
+    def _held(self, names: Iterable[str]) -> int:
+        """What the weights ``names`` hold at once where the model computes (``WeightStore.held_bytes``)."""
+        return self.store.held_bytes(self.store.records[name] for name in names)
 
     def _swap(self, plan: ModelPlan) -> None:
         self.loader.arena.resize(plan.arena_bytes)
@@ -336,7 +341,7 @@ class Engine:
         index = runner.index
         self._inputs[index] = replace(self._inputs[index], profile=tuple(profile))
         if self.memory.budget is not None and self.config.policy == "auto":
-            wanted = choose_resident(profile, self.memory, self._activations())
+            wanted = choose_resident(profile, self.memory, self._activations(), self._held)
             self.store.set_residents(wanted)
         self.replan()
         report("graph %d profiled: weights now %s", index + 1, self.store.summary())

@@ -263,8 +263,8 @@ class MappedFiles:
         """What ``units`` can hold faulted in: per unit, the bytes of the weights used in place
         (``in_place``) that lie in it, at most the unit (a neighbour's pages, faulted in while the unit is
         held, stay mapped; the kernel maps 2 MiB folios whole)."""
-        key = frozenset(in_place)
-        if key != self._fill[0]:
+        key = frozenset(in_place)  # the same object where ``in_place`` is one
+        if key is not self._fill[0] and key != self._fill[0]:
             fill: dict[tuple[int, int], int] = {}
             for source in key:
                 low = self.view(source).data_ptr()

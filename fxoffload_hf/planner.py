@@ -125,11 +125,13 @@ def plan_model(
     policy: str,
     threaded: Reader,
     inline: Reader | None = None,
+    held: Callable[[Sequence[WeightRecord]], int] | None = None,
 ) -> ModelPlan:
-    """Plan every graph of a model for the weights' current tiers (``records``)."""
+    """Plan every graph of a model for the weights' current tiers (``records``); ``held`` says what the
+    weights kept hold where the model computes (``WeightStore.held_bytes``; by default their bytes)."""
     per_graph = [[[records[n] for n in names] for names in g.piece_names] for g in graphs]
     room = memory.room(activations)
-    flight_room = None if room is None else room - kept_bytes(records)
+    flight_room = None if room is None else room - kept_bytes(records, held)
     cuts, streamed = [], []
     for g, pieces in zip(graphs, per_graph, strict=True):
         whole = {r.name for piece in pieces for r in piece if not read_by_rows(r, g.lookups, device_type)}
@@ -180,10 +182,13 @@ def read_by_rows(record: WeightRecord, lookups: frozenset[str], device_type: str
     return record.name in lookups and way_of(record, device_type, rows_only=True) in ROWS_WHERE_THEY_LIE
 
 
-def kept_bytes(records: Mapping[str, WeightRecord]) -> int:
-    """Bytes of the weights kept where the model computes between calls."""
+def kept_bytes(
+    records: Mapping[str, WeightRecord], held: Callable[[Sequence[WeightRecord]], int] | None = None
+) -> int:
+    """Bytes of the weights kept where the model computes between calls (as ``held`` counts them)."""
     seen = {id(r): r for r in records.values()}
-    return sum(r.footprint for r in seen.values() if r.tier in (Tier.DEVICE, Tier.MAPPED))
+    kept = [r for r in seen.values() if r.tier in (Tier.DEVICE, Tier.MAPPED)]
+    return held(kept) if held else sum(r.footprint for r in kept)
 
 
 def _bytes(piece: list[WeightRecord], counted: Callable[[WeightRecord], bool]) -> int:

@@ -4,6 +4,7 @@ numbers out; what fits is asked of ``memory_model``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from fxoffload_hf.memory_model import MemoryModel, pair_bytes, piece_bytes, window_bytes
@@ -35,27 +36,34 @@ def unhidden_copy_seconds(profiles: list[PieceProfile]) -> list[float]:
     return result
 
 
-def choose_resident(profiles: list[PieceProfile], memory: MemoryModel, activations: int) -> set[str]:
+def choose_resident(
+    profiles: list[PieceProfile],
+    memory: MemoryModel,
+    activations: int,
+    held: Callable[[Iterable[str]], int] | None = None,
+) -> set[str]:
     """Pick the weights to keep on the device: pieces whose copy cannot be hidden come first.
 
     What stays resident, the remaining streamed pieces (two in flight) and ``activations`` must fit
     ``memory``. Pieces are taken whole, most unhidden copy time per byte first, then the rest in
-    execution order while they fit.
+    execution order while they fit. ``held`` says what a set of weights kept holds (by default their
+    bytes; the store counts the 2 MiB units of mapping that weights kept in place hold whole); pieces in
+    flight count their bytes, as the partition that cut them did.
     """
+    sizes = {w: b for p in profiles for w, b in p.weight_bytes.items()}
+    kept = held or (lambda names: sum(sizes[w] for w in names))
     unhidden = unhidden_copy_seconds(profiles)
     order = sorted(
         range(len(profiles)),
         key=lambda i: (-(unhidden[i] / max(profiles[i].nbytes, 1)), i),
     )
     resident: set[str] = set()
-    sizes = {w: b for p in profiles for w, b in p.weight_bytes.items()}
     for index in order:
         candidate = resident | set(profiles[index].weights)
         if candidate == resident:
             continue
         streamed = [piece_bytes(p.weight_bytes[w] for w in p.weights if w not in candidate) for p in profiles]
-        resident_bytes = sum(sizes[w] for w in candidate)
-        if memory.fits(activations=activations, resident=resident_bytes, in_flight=pair_bytes(streamed)):
+        if memory.fits(activations=activations, resident=kept(candidate), in_flight=pair_bytes(streamed)):
             resident = candidate
     return resident
 

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 import threading
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from fxoffload_hf.mapped_io import MappedFiles, can_map
-from fxoffload_hf.memory_model import format_bytes, nbytes
+from fxoffload_hf.memory_model import format_bytes, nbytes, piece_bytes
 from fxoffload_hf.safetensors_io import TensorSlice, read_header, read_into
 
 
@@ -117,6 +118,7 @@ class WeightStore:
         self.sharers: dict[str, list[torch.Tensor]] = {}
         self._registered: list[torch.UntypedStorage] = []
         self._lock = threading.Lock()
+        self._in_place: tuple[int, frozenset[TensorSlice]] = (-1, frozenset())
 
     # -- building -------------------------------------------------------------------------------
     def add_host(self, name: str, tensor: torch.Tensor, *, requires_grad: bool = False) -> WeightRecord:
@@ -323,6 +325,27 @@ class WeightStore:
     def keeps_in_place(self, record: WeightRecord) -> bool:
         """Whether ``keep`` keeps ``record`` as its file's pages mapped (else as a copy)."""
         return self.device.type == "cpu" and record.host is None and record.in_place
+
+    def held_bytes(self, records: Iterable[WeightRecord]) -> int:
+        """What ``records`` hold at once where the model computes: a copy's footprint each (laid out one
+        after another), and for weights used in place as their file's pages (``keeps_in_place``) the
+        2 MiB units those pages lie in, each unit once (``MappedFiles.held_bytes``): mapped whole, a unit
+        holds more than the weight where it shares the unit with another."""
+        units: set[tuple[int, int]] = set()
+        copies = []
+        for record in records:
+            if record.disk is not None and self.keeps_in_place(record):
+                units.update(self.files.units(record.disk))
+            else:
+                copies.append(record.footprint)
+        mapped = self.files.held_bytes(units, self._in_place_key()) if units else 0
+        return piece_bytes(copies) + mapped
+
+    def _in_place_key(self) -> frozenset[TensorSlice]:
+        """``in_place_sources`` as one set per version of the store (``held_bytes`` is asked often)."""
+        if self._in_place[0] != self.version:
+            self._in_place = (self.version, frozenset(self.in_place_sources()))
+        return self._in_place[1]
 
     def in_place_sources(self) -> list[TensorSlice]:
         """The file bytes of every weight ``keep`` would keep as mapped pages (``keeps_in_place``)."""

@@ -10,7 +10,7 @@ from torch import fx
 
 from fxoffload_hf.loaders import InlineReader, ThreadedReader, Way
 from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, pair_bytes, piece_bytes, window_bytes
-from fxoffload_hf.planner import GraphInput, partition_for_budget, plan_model
+from fxoffload_hf.planner import GraphInput, kept_bytes, partition_for_budget, plan_model
 from fxoffload_hf.safetensors_io import TensorSlice
 from fxoffload_hf.schedule import PieceProfile
 from fxoffload_hf.weights import WeightRecord
@@ -28,7 +28,17 @@ def host_record(name: str, numel: int) -> WeightRecord:
     return WeightRecord(name, (numel,), torch.float32, host=torch.zeros(numel))
 
 
-def plan(records, pieces, *, device_type="cpu", budget=10**9, profile=(), lookups=frozenset(), policy="auto"):
+def plan(
+    records,
+    pieces,
+    *,
+    device_type="cpu",
+    budget=10**9,
+    profile=(),
+    lookups=frozenset(),
+    policy="auto",
+    held=None,
+):
     by_name = {r.name: r for r in records}
     graph = GraphInput(tuple(tuple(p) for p in pieces), frozenset(lookups), tuple(profile))
     return plan_model(
@@ -41,7 +51,23 @@ def plan(records, pieces, *, device_type="cpu", budget=10**9, profile=(), lookup
         policy=policy,
         threaded=THREADED,
         inline=INLINE,
+        held=held,
     )
+
+
+def test_weights_kept_are_counted_as_the_store_says_and_leave_the_rest_to_pieces_in_flight():
+    kept = WeightRecord("k", (1000,), torch.float32, resident=torch.zeros(1000))
+    streamed = [disk_record(f"w{i}", 1000) for i in range(4)]
+    records = [kept, *streamed]
+    assert kept_bytes({r.name: r for r in records}) == 4000
+    pair = 2 * piece_bytes([4000])
+    budget = 100 + 1000 + 4000 + pair  # fixed + activations + kept + two pieces in flight
+    pieces = [[r.name] for r in streamed]
+    assert not any(plan(records, pieces, budget=budget).graphs[0].ahead.cuts)
+    # kept in place, it holds the 2 MiB unit of mapping around it (``WeightStore.held_bytes``): the
+    # pieces no longer fit two at a time, and each streams alone
+    units = plan(records, pieces, budget=budget, held=lambda rs: 4000 + pair // 2 * len(rs))
+    assert all(units.graphs[0].ahead.cuts[1:])
 
 
 def test_cpu_weights_in_place_are_mapped_and_need_no_arena():

@@ -36,6 +36,15 @@ def test_pieces_whose_copy_cannot_be_hidden_stay_resident_first():
     assert resident == {"a", "c"}
 
 
+def test_resident_weights_are_chosen_by_what_they_hold_as_the_store_counts_it():
+    profiles = [profile(name, 100, 9.0 if name == "c" else 1.0, 5.0) for name in "abcd"]
+    memory = MemoryModel(10 + 4 * 110, fixed_bytes=10)
+    assert choose_resident(profiles, memory, 0) == set("abcd")  # kept by their bytes: all of them
+    # where each kept weight holds more (the 2 MiB units of mapping around it), some stream
+    assert choose_resident(profiles, memory, 0, lambda names: 120 * len(list(names))) == {"a", "c"}
+    assert choose_resident(profiles, memory, 0, lambda names: 300 * len(list(names))) == set()
+
+
 def _aligned(size: int) -> int:
     return -(-size // 64) * 64
 

@@ -111,3 +111,28 @@ def test_read_into_ram_fills_the_room_in_order_and_keeps_the_file_range(checkpoi
         assert store.read_into_ram(0) == 0 and store.ram_bytes() == read
     finally:
         store.close()
+
+
+def test_held_bytes_counts_weights_used_in_place_by_the_2_mib_units_they_map_each_once(
+    tmp_path, place_data_at
+):
+    from fxoffload_hf.memory_model import piece_bytes
+
+    rows = 3 * 2**20 // 2 // 4 // 256  # 1.5 MiB of fp32 rows each: neighbours share a 2 MiB unit
+    tensors = {"p": torch.randn(rows, 256), "q": torch.randn(rows, 256), "h": torch.randn(64, 64).half()}
+    save_file(tensors, tmp_path / "w.safetensors")
+    place_data_at(tmp_path, 0)
+    slices = read_header(tmp_path / "w.safetensors")
+    store = WeightStore(CPU)
+    try:
+        p, q = store.add_disk("p", slices["p"]), store.add_disk("q", slices["q"])
+        h = store.add_disk("h", slices["h"], torch.float32)  # converted: a copy, not in place
+        assert store.keeps_in_place(p) and not store.keeps_in_place(h)
+        alone = store.held_bytes([p])
+        assert alone > p.nbytes  # its unit is mapped whole, with the part of q that lies in it
+        both = store.held_bytes([p, q])
+        assert p.nbytes + q.nbytes <= both < alone + store.held_bytes([q])  # the shared unit once
+        assert store.held_bytes([h]) == piece_bytes([h.footprint])
+        assert store.held_bytes([p, h]) == alone + piece_bytes([h.footprint])
+    finally:
+        store.close()
