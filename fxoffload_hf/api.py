@@ -39,7 +39,8 @@ from fxoffload_hf.undo import (
     SwappedParameter,
     Undo,
 )
-from fxoffload_hf.weights import Tier, WeightStore
+from fxoffload_hf.weight_record import Tier
+from fxoffload_hf.weights import WeightStore
 
 STATE_ATTR = "_fxoffload_state"
 # share of free host RAM a GPU run fills with weights read from their files when cpu_memory is not given

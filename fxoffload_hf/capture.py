@@ -21,7 +21,8 @@ from torch import nn
 
 from fxoffload_hf import blocks
 from fxoffload_hf.blocks import BlockRegions
-from fxoffload_hf.weights import WeightRecord, WeightStore
+from fxoffload_hf.weight_record import WeightRecord
+from fxoffload_hf.weights import WeightStore
 
 HANDLE_ATTR = "_fxoffload_handle"
 _SUCCESSOR_ATTR = "_fxoffload_successor"

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, format_bytes
 from fxoffload_hf.progress import report
 from fxoffload_hf.stats import Stats
-from fxoffload_hf.weights import WeightRecord, WeightStore
+from fxoffload_hf.weight_record import WeightRecord
+from fxoffload_hf.weights import WeightStore
 
 # Capture's cost per module lent weights in one eager call: dynamo traces each such module with its
 # neighbours once per graph, and generate captures two. Measured here on a 10-layer Llama (72 such

@@ -33,7 +33,8 @@ from fxoffload_hf.mapped_io import MappedGroup
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
 from fxoffload_hf.row_lookups import gather_rows
 from fxoffload_hf.safetensors_io import TensorSlice
-from fxoffload_hf.weights import WeightRecord, WeightStore
+from fxoffload_hf.weight_record import WeightRecord
+from fxoffload_hf.weights import WeightStore
 
 
 class EagerFallbackWarning(UserWarning):

@@ -43,7 +43,8 @@ import torch
 from fxoffload_hf.mapped_io import MappedGroup
 from fxoffload_hf.safetensors_io import TensorSlice, read_into
 from fxoffload_hf.staging import StagingArena
-from fxoffload_hf.weights import WeightRecord, WeightStore, as_typed
+from fxoffload_hf.weight_record import WeightRecord
+from fxoffload_hf.weights import WeightStore, as_typed
 
 
 class Way(enum.Enum):

@@ -22,7 +22,7 @@ from fxoffload_hf.loaders import ROWS_WHERE_THEY_LIE, LoadSpec, Reader, Way, way
 from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, cuts_for, piece_bytes, window_bytes
 from fxoffload_hf.partition import Partition, partition_graph
 from fxoffload_hf.schedule import PieceProfile, choose_distance, load_groups
-from fxoffload_hf.weights import Tier, WeightRecord
+from fxoffload_hf.weight_record import Tier, WeightRecord
 
 
 def sizes_for_budget(

@@ -36,7 +36,8 @@ from fxoffload_hf.memory_model import MemoryModel, format_bytes
 from fxoffload_hf.planner import sizes_for_budget
 from fxoffload_hf.progress import report
 from fxoffload_hf.tile_buffer import whole_shaped
-from fxoffload_hf.weights import WeightRecord, WeightStore
+from fxoffload_hf.weight_record import WeightRecord
+from fxoffload_hf.weights import WeightStore
 
 _PAGE = mmap.PAGESIZE
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)

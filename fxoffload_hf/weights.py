@@ -1,27 +1,19 @@
 """``WeightStore``: every offloaded weight of one model by name, and the one owner of where each lies.
 
-Each weight is in one tier at a time, and only the store moves it (``keep``, ``evict``, ``spill``):
-
-- ``device``: kept where the model computes (a device copy on CUDA; on the CPU, its tensor in RAM);
-- ``host``: in host RAM (pinned), copied to the CUDA device for each piece;
-- ``mapped``: on the CPU, its checkpoint file's pages kept mapped between calls (no private copy);
-- ``disk``: a byte range of a safetensors file (the checkpoint read in place, or a file written once to
-  ``offload_folder``), read for each piece.
-
-Tied weights are one record under their first name, with aliases. Every move bumps ``version``, so a
-plan made for one placement is never run against another.
+Each weight (a ``weight_record.WeightRecord``) is in one ``Tier`` at a time, and only the store moves
+it (``keep``, ``evict``, ``spill``). Tied weights are one record under their first name, with aliases.
+Every move bumps ``version``, so a plan made for one placement is never run against another.
 """
 
 from __future__ import annotations
 
-import enum
 import os
 import shutil
 import tempfile
 import threading
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,77 +21,10 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from fxoffload_hf.mapped_io import MappedFiles, can_map
-from fxoffload_hf.memory_model import format_bytes, nbytes, piece_bytes
+from fxoffload_hf.mapped_io import MappedFiles
+from fxoffload_hf.memory_model import format_bytes, piece_bytes
 from fxoffload_hf.safetensors_io import TensorSlice, read_header, read_into
-
-
-class Tier(enum.StrEnum):
-    DEVICE = "device"
-    HOST = "host"
-    MAPPED = "mapped"
-    DISK = "disk"
-
-    @property
-    def streams(self) -> bool:
-        """Whether a weight in this tier is brought to the device for each piece that uses it."""
-        return self in (Tier.HOST, Tier.DISK)
-
-    @property
-    def from_file(self) -> bool:
-        """Whether bringing it in reads its file."""
-        return self is Tier.DISK
-
-
-@dataclass
-class WeightRecord:
-    """One weight: its identity and where its bytes are. Only ``WeightStore`` changes the placement."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    host: torch.Tensor | None = None
-    disk: TensorSlice | None = None
-    resident: torch.Tensor | None = None
-    aliases: list[str] = field(default_factory=list)
-    mapped: bool = False  # ``resident`` is a view of its file's pages
-    tile_of: str | None = None  # rows ``tile_rows`` of this weight, computed with as a tile (``tiles``)
-    tile_rows: tuple[int, int] = (0, 0)
-    tile_copied: bool = False  # the tile is copied into a whole-shaped buffer to compute (on the CPU)
-    # the parameter's own flag: ATen picks some kernels by it even without autograd (see
-    # ``loaders.as_parameters``), so the compute must see the weight with it
-    requires_grad: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return nbytes(self.shape, self.dtype.itemsize)
-
-    @property
-    def footprint(self) -> int:
-        """Bytes in flight while this weight is brought in: the file's bytes, plus the converted copy if
-        the file's dtype is not the compute dtype."""
-        # a tile copied into its weight's whole-shaped buffer for the compute is held twice
-        copy = self.nbytes if self.tile_copied else 0
-        if self.disk is None or self.host is not None:
-            return self.nbytes + copy
-        return self.disk.nbytes + (self.nbytes if self.disk.dtype != self.dtype else 0) + copy
-
-    @property
-    def tier(self) -> Tier:
-        if self.resident is not None:
-            return Tier.MAPPED if self.mapped else Tier.DEVICE
-        return Tier.HOST if self.host is not None else Tier.DISK
-
-    @property
-    def in_place(self) -> bool:
-        """Whether ops can compute with its file's bytes as they lie (CPU streaming): same dtype, aligned
-        as eager's copy would be (``mapped_io.can_map``)."""
-        return self.disk is not None and can_map(self.disk, self.dtype)
-
-    @property
-    def mappable(self) -> bool:
-        """Whether its file's bytes can be mapped to be copied from (rows looked up, a tile's rows)."""
-        return self.disk is not None and can_map(self.disk, self.dtype, compute=False)
+from fxoffload_hf.weight_record import Tier, WeightRecord
 
 
 class WeightStore:

@@ -48,7 +48,7 @@ def main() -> None:
         "load_anon_rise": loaded["RssAnon"] - base["RssAnon"],
         "anon_rise": end["RssAnon"] - base["RssAnon"],
         "peak_anon_rise": sampler.peak["RssAnon"] - base["RssAnon"],
-        "disk_bytes": engine.store.bytes_in(fxoffload_hf.weights.Tier.DISK),
+        "disk_bytes": engine.store.bytes_in(fxoffload_hf.weight_record.Tier.DISK),
         "tokens": tokens.tolist(),
         "graphs": len(engine.runners),
         "eager_calls": engine.stats.eager_calls,

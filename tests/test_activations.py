@@ -8,7 +8,7 @@ import torch
 from fxoffload_hf.activations import activation_model
 from fxoffload_hf.capture import capture_settings
 from fxoffload_hf.graphs import activation_peak
-from fxoffload_hf.weights import Tier
+from fxoffload_hf.weight_record import Tier
 
 
 def _capture(model, args, dynamic):
@@ -68,7 +68,7 @@ def test_the_peak_for_a_call_equals_a_capture_at_its_sizes(build_model, batch, l
 
 def test_a_later_call_with_more_activations_keeps_fewer_weights_and_stays_exact(llama_ckpt):
     import fxoffload_hf
-    from fxoffload_hf.weights import Tier
+    from fxoffload_hf.weight_record import Tier
 
     folder, eager = llama_ckpt
     model = fxoffload_hf.from_pretrained(folder, cpu_memory=1_400_000, device="cpu")

@@ -37,7 +37,8 @@ from fxoffload_hf.program import Program, build_program
 from fxoffload_hf.runner import GraphRunner
 from fxoffload_hf.safetensors_io import read_header
 from fxoffload_hf.staging import StagingArena
-from fxoffload_hf.weights import WeightRecord, WeightStore
+from fxoffload_hf.weight_record import WeightRecord
+from fxoffload_hf.weights import WeightStore
 
 CALLS = 3  # the first call warms up; the later ones are the steady state
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fxoffload_hf
-from fxoffload_hf.weights import Tier
+from fxoffload_hf.weight_record import Tier
 
 pytestmark = [
     pytest.mark.gpu,

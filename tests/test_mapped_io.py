@@ -15,7 +15,7 @@ from fxoffload_hf import mapped_io
 from fxoffload_hf.mapped_io import MappedFiles, _page_ranges, can_map
 from fxoffload_hf.memory import process_status
 from fxoffload_hf.safetensors_io import CheckpointError, read_header
-from fxoffload_hf.weights import Tier
+from fxoffload_hf.weight_record import Tier
 
 MiB = 2**20
 

@@ -10,7 +10,7 @@ import torch
 
 import fxoffload_hf
 from fxoffload_hf.loaders import InlineReader, LoadSpec
-from fxoffload_hf.weights import Tier
+from fxoffload_hf.weight_record import Tier
 
 KINDS = ["llama", "gpt2", "bert", "mlp"]
 

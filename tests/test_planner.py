@@ -13,7 +13,7 @@ from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, pair_byt
 from fxoffload_hf.planner import GraphInput, kept_bytes, partition_for_budget, plan_model
 from fxoffload_hf.safetensors_io import TensorSlice
 from fxoffload_hf.schedule import PieceProfile
-from fxoffload_hf.weights import WeightRecord
+from fxoffload_hf.weight_record import WeightRecord
 
 THREADED, INLINE = ThreadedReader(), InlineReader()
 

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
 import fxoffload_hf
-from fxoffload_hf.weights import Tier
+from fxoffload_hf.weight_record import Tier
 
 SETTINGS = settings(
     deadline=None,

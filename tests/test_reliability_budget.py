@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fxoffload_hf
-from fxoffload_hf.weights import Tier
+from fxoffload_hf.weight_record import Tier
 
 # mlp, small_llama, logits, snapshot_params, assert_not_offloaded: conftest.py
 

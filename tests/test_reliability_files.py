@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 import fxoffload_hf
 from fxoffload_hf.safetensors_io import CheckpointError, read_header
-from fxoffload_hf.weights import Tier
+from fxoffload_hf.weight_record import Tier
 
 # llama_ckpt, small_llama, logits, prompt_ids, snapshot_params, assert_not_offloaded: conftest.py
 

@@ -10,7 +10,7 @@ from torch import fx, nn
 from fxoffload_hf.loaders import LoadSpec, Way, way_of
 from fxoffload_hf.row_lookups import gather_on_host, gather_rows
 from fxoffload_hf.safetensors_io import read_header
-from fxoffload_hf.weights import WeightRecord
+from fxoffload_hf.weight_record import WeightRecord
 
 
 class _Lookups(nn.Module):

@@ -14,7 +14,7 @@ from fxoffload_hf.partition import partition_graph
 from fxoffload_hf.planner import GraphSchedule
 from fxoffload_hf.program import build_program
 from fxoffload_hf.runner import GraphRunner, PieceError
-from fxoffload_hf.weights import WeightRecord
+from fxoffload_hf.weight_record import WeightRecord
 
 WIDTH, DEPTH = 8, 5
 

@@ -8,7 +8,8 @@ from safetensors.torch import save_file
 
 from fxoffload_hf import loaders
 from fxoffload_hf.safetensors_io import read_header
-from fxoffload_hf.weights import Tier, WeightStore
+from fxoffload_hf.weight_record import Tier
+from fxoffload_hf.weights import WeightStore
 
 CPU = torch.device("cpu")
 
