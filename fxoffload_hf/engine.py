@@ -88,7 +88,7 @@ class Engine:
         # again when captured graphs' state is counted in it (``_count_graph_state``)
         self.memory_holders: list[Deferral | EagerWeights] = [self.deferral]
         self._counts_graph_state = counts_graph_state()
-        self._graphs_expected = 0  # set by ``expecting_graphs``
+        self._graphs_expected = 0  # runners there will be once the captures a call expects are made
 
     @property
     def deferring(self) -> bool:
@@ -186,14 +186,15 @@ class Engine:
 
     @contextmanager
     def expecting_graphs(self, count: int) -> Iterator[None]:
-        """Within: a call that captures up to ``count`` graphs in all (generate: its prefill and decode
-        graphs). While fewer are captured, a CPU budget keeps room to trace the next (``with_graph``)."""
-        self._graphs_expected = count
+        """Within: a call that may capture ``count`` more graphs (generate: its prefill and decode graphs).
+        Until they are captured, a CPU budget keeps room to trace the next (``with_graph``)."""
+        outer = self._graphs_expected
+        self._graphs_expected = max(outer, len(self.runners) + count)
         try:
             yield
         finally:
-            self._graphs_expected = 0
-            if self.memory.capture_reserve:
+            self._graphs_expected = outer
+            if self.memory.capture_reserve and len(self.runners) >= outer:
                 self._set_memory(self.memory.with_capture_reserve(0))
 
     def _set_memory(self, memory: MemoryModel) -> None:

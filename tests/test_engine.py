@@ -99,3 +99,34 @@ def test_a_generate_keeps_room_for_its_second_capture_and_lets_kept_weights_go_w
     # graph 2's state is counted before it runs: what graph 1's profile kept shrinks to fit beside it
     assert before > now and second.fits(resident=now)
     assert finished[1] == 0 and after.capture_reserve == 0  # no capture expected any more
+
+
+@pytest.mark.usefixtures("counted_graph_state")
+def test_graphs_captured_before_a_generate_do_not_count_against_the_two_it_expects(llama_ckpt):
+    import fxoffload_hf
+
+    folder, _eager = llama_ckpt
+    ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(2))
+    model = fxoffload_hf.from_pretrained(folder, cpu_memory="256MiB", device="cpu")
+    engine = fxoffload_hf.engine_of(model)
+    reserves, finish = [], engine.capture_finished
+
+    def finishing() -> None:
+        finish()
+        reserves.append((len(engine.runners), engine.memory.capture_reserve))
+
+    engine.capture_finished = finishing
+    try:
+        with torch.no_grad():
+            model(ids)  # a plain forward's graph first
+            with engine.expecting_graphs(2):  # an outer call expecting two more survives an inner one
+                with engine.expecting_graphs(1):
+                    pass
+                assert engine._graphs_expected == len(engine.runners) + 2
+            model.generate(ids, max_new_tokens=3, do_sample=False)
+        after = engine.memory.capture_reserve
+    finally:
+        fxoffload_hf.restore(model)
+    assert reserves[0] == (1, 0)  # the forward expected no other graph
+    # generate's prefill graph keeps room for its decode graph, which then keeps none
+    assert [(n, r > 0) for n, r in reserves[1:]] == [(2, True), (3, False)] and after == 0
