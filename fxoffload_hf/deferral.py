@@ -49,6 +49,7 @@ class Deferral:
         self.keepable: Sequence[str] = ()  # weights eager calls use whole, in the model's order
         self.by_choice = False  # deferring ended for speed (cost or a block), not for the budget
         self.refused = False  # such a capture needed more than the budget: calls stay eager
+        self.eager_floor: int | None = None  # the budget the eager call that ended deferring needed
         self._kept: list[str] = []  # weights kept for eager calls, in the order kept
         self._largest_need = 0  # the largest bound of an eager call so far
         self._eager_seconds = 0.0
@@ -74,6 +75,8 @@ class Deferral:
             )
             if self._fill(room, room_to_keep):
                 return True
+        if need is not None:
+            self.eager_floor = self.memory.need(activations=max(need, expected), in_flight=self.largest_lent)
         detail = (
             "its activations cannot be bounded from its inputs and the config"
             if need is None
@@ -111,6 +114,20 @@ class Deferral:
         tried again for speed."""
         self.on, self.by_choice, self.refused = True, False, True
         report("capture does not fit the budget, so calls go on eagerly (as before): %s", refusal)
+
+    def or_eagerly(self, refusal: BudgetTooSmallError) -> BudgetTooSmallError:
+        """A refusal of a call captured because it did not fit as eager code: where that eager call
+        needed less than the capture (a small model whose graphs' state outweighs its weights), the
+        refusal names that budget too, the smallest that runs (as eager calls)."""
+        floor = self.eager_floor
+        if floor is None or floor >= refusal.smallest_budget:
+            return refusal
+        return BudgetTooSmallError(
+            f"{refusal}; or pass {self.memory.budget_name}={floor} or more to run its calls as eager code, "
+            "each module lent its weights in turn (no capture: slower for long jobs, as its weights are "
+            "read at every call)",
+            smallest_budget=floor,
+        )
 
     def end(self, why: str, by_choice: bool) -> None:
         """Stop deferring (``why`` is logged): let go of the weights kept for eager calls."""

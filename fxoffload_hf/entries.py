@@ -91,6 +91,10 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                 if capturing and engine.deferral.by_choice and isinstance(refused, BudgetTooSmallError):
                     engine.deferral.stay_eager(refused)  # captured for speed, which this budget cannot give
                     return _run_eagerly(engine, eager, original, args, kwargs)
+                if capturing and isinstance(refused, BudgetTooSmallError):
+                    smaller = engine.deferral.or_eagerly(refused)  # eager calls may need less
+                    if smaller is not refused:
+                        raise smaller from None
                 if refused is not exc and isinstance(refused, ValueError):
                     raise refused from None
                 raise
