@@ -21,8 +21,7 @@ from collections.abc import Sequence
 from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, format_bytes
 from fxoffload_hf.progress import report
 from fxoffload_hf.stats import Stats
-from fxoffload_hf.weight_record import WeightRecord
-from fxoffload_hf.weights import WeightStore
+from fxoffload_hf.weights import HeldBytes, WeightStore
 
 # Capture's cost per module lent weights in one eager call: dynamo traces each such module with its
 # neighbours once per graph, and generate captures two. Measured here on a 10-layer Llama (72 such
@@ -153,43 +152,11 @@ class Deferral:
                 held.add(record)
         return held.total <= room
 
-    def _let_go(self, room: int) -> _KeptBytes:
+    def _let_go(self, room: int) -> HeldBytes:
         """Stop keeping the weights kept last until those kept fit ``room`` bytes; the bytes kept then."""
         while True:
             kept = {id(r): r for r in self.store.records.values() if r.resident is not None}
-            held = _KeptBytes(self.store, list(kept.values()))
+            held = HeldBytes(self.store, list(kept.values()))
             if not self._kept or held.total <= room:
                 return held
             self.store.evict(self._kept.pop())
-
-
-class _KeptBytes:
-    """What the weights kept for eager calls hold: a copy's bytes, or the 2 MiB units of mapped pages a
-    weight kept in place holds whole (``MappedFiles.held_bytes``)."""
-
-    def __init__(self, store: WeightStore, kept: Sequence[WeightRecord]) -> None:
-        self.store = store
-        self.in_place = store.in_place_sources()
-        self.units: set[tuple[int, int]] = set()
-        self.copies = 0
-        for record in kept:
-            self.add(record)
-
-    @property
-    def total(self) -> int:
-        return self.copies + self.store.files.held_bytes(self.units, self.in_place)
-
-    def cost(self, record: WeightRecord) -> int:
-        """The bytes keeping ``record`` would add."""
-        if not self.store.keeps_in_place(record):
-            return record.footprint
-        assert record.disk is not None
-        new = set(self.store.files.units(record.disk)) - self.units
-        return self.store.files.held_bytes(new, self.in_place)
-
-    def add(self, record: WeightRecord) -> None:
-        if self.store.keeps_in_place(record):
-            assert record.disk is not None
-            self.units.update(self.store.files.units(record.disk))
-        else:
-            self.copies += record.footprint

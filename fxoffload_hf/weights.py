@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from fxoffload_hf.mapped_io import MappedFiles
-from fxoffload_hf.memory_model import format_bytes, piece_bytes
+from fxoffload_hf.memory_model import format_bytes
 from fxoffload_hf.safetensors_io import TensorSlice, read_header, read_into
 from fxoffload_hf.weight_record import Tier, WeightRecord
 
@@ -252,22 +252,11 @@ class WeightStore:
         return self.device.type == "cpu" and record.host is None and record.in_place
 
     def held_bytes(self, records: Iterable[WeightRecord]) -> int:
-        """What ``records`` hold at once where the model computes: a copy's footprint each (laid out one
-        after another), and for weights used in place as their file's pages (``keeps_in_place``) the
-        2 MiB units those pages lie in, each unit once (``MappedFiles.held_bytes``): mapped whole, a unit
-        holds more than the weight where it shares the unit with another."""
-        units: set[tuple[int, int]] = set()
-        copies = []
-        for record in records:
-            if record.disk is not None and self.keeps_in_place(record):
-                units.update(self.files.units(record.disk))
-            else:
-                copies.append(record.footprint)
-        mapped = self.files.held_bytes(units, self._in_place_key()) if units else 0
-        return piece_bytes(copies) + mapped
+        """What ``records`` hold at once where the model computes (``HeldBytes``)."""
+        return HeldBytes(self, records).total
 
-    def _in_place_key(self) -> frozenset[TensorSlice]:
-        """``in_place_sources`` as one set per version of the store (``held_bytes`` is asked often)."""
+    def in_place_key(self) -> frozenset[TensorSlice]:
+        """``in_place_sources`` as one set per version of the store (``HeldBytes`` asks often)."""
         if self._in_place[0] != self.version:
             self._in_place = (self.version, frozenset(self.in_place_sources()))
         return self._in_place[1]
@@ -350,6 +339,38 @@ class WeightStore:
         if self._temp_folder is not None:
             shutil.rmtree(self._temp_folder, ignore_errors=True)
             self._temp_folder = None
+
+
+class HeldBytes:
+    """What a set of weights kept where the model computes holds: a copy's footprint each, and for
+    weights used in place as their file's pages (``WeightStore.keeps_in_place``) the 2 MiB units those
+    pages lie in, each unit once (``MappedFiles.held_bytes``): mapped whole, a unit holds more than the
+    weight where it shares the unit with another. ``cost`` and ``add`` grow the set one weight at a time."""
+
+    def __init__(self, store: WeightStore, records: Iterable[WeightRecord] = ()) -> None:
+        self.store = store
+        self.units: set[tuple[int, int]] = set()
+        self.copies = 0
+        for record in records:
+            self.add(record)
+
+    @property
+    def total(self) -> int:
+        mapped = self.store.files.held_bytes(self.units, self.store.in_place_key()) if self.units else 0
+        return self.copies + mapped
+
+    def cost(self, record: WeightRecord) -> int:
+        """The bytes adding ``record`` would add."""
+        if record.disk is None or not self.store.keeps_in_place(record):
+            return record.footprint
+        new = set(self.store.files.units(record.disk)) - self.units
+        return self.store.files.held_bytes(new, self.store.in_place_key())
+
+    def add(self, record: WeightRecord) -> None:
+        if record.disk is not None and self.store.keeps_in_place(record):
+            self.units.update(self.store.files.units(record.disk))
+        else:
+            self.copies += record.footprint
 
 
 def as_typed(buffer: torch.Tensor, source: TensorSlice) -> torch.Tensor:

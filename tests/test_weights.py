@@ -117,8 +117,6 @@ def test_read_into_ram_fills_the_room_in_order_and_keeps_the_file_range(checkpoi
 def test_held_bytes_counts_weights_used_in_place_by_the_2_mib_units_they_map_each_once(
     tmp_path, place_data_at
 ):
-    from fxoffload_hf.memory_model import piece_bytes
-
     rows = 3 * 2**20 // 2 // 4 // 256  # 1.5 MiB of fp32 rows each: neighbours share a 2 MiB unit
     tensors = {"p": torch.randn(rows, 256), "q": torch.randn(rows, 256), "h": torch.randn(64, 64).half()}
     save_file(tensors, tmp_path / "w.safetensors")
@@ -133,7 +131,7 @@ def test_held_bytes_counts_weights_used_in_place_by_the_2_mib_units_they_map_eac
         assert alone > p.nbytes  # its unit is mapped whole, with the part of q that lies in it
         both = store.held_bytes([p, q])
         assert p.nbytes + q.nbytes <= both < alone + store.held_bytes([q])  # the shared unit once
-        assert store.held_bytes([h]) == piece_bytes([h.footprint])
-        assert store.held_bytes([p, h]) == alone + piece_bytes([h.footprint])
+        assert store.held_bytes([h]) == h.footprint
+        assert store.held_bytes([p, h]) == alone + h.footprint
     finally:
         store.close()
