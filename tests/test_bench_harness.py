@@ -95,7 +95,7 @@ def test_offload_targets_judge_paired_rounds_and_memory(capsys):
     assert "median of the 3 rounds' ratios; ratio of medians 0.900" in eager["note"]
     accel = by_name["decode tok/s fxoffload / accelerate"]
     assert accel["value"] == pytest.approx(2.25) and accel["pass"] is True
-    rise = by_name["peak private rise over import / budget"]
+    rise = by_name["peak private rise over import / budget (fxoffload)"]
     assert rise["value"] == pytest.approx(0.5) and rise["pass"] is True
     assert by_name["  of which held after warm-up / budget"]["pass"] is None
     assert not any(t["name"].startswith("under limit") for t in out)  # no limited runs, no such targets
@@ -124,7 +124,9 @@ def test_offload_targets_fail_a_failed_fxoffload_and_use_a_lower_bound_under_the
     assert by_name["under limit: fxoffload / accelerate"]["value"] == pytest.approx(0.4)
     assert by_name["under limit: fxoffload / disk bound"]["pass"] is False  # 0.8 < 0.9
     assert "lower bound: timeout in measure" in by_name["under limit: fxoffload / disk bound"]["note"]
-    assert "peak private rise over import / budget" not in by_name  # no memory figures from a failed run
+    assert (
+        "peak private rise over import / budget (fxoffload)" not in by_name
+    )  # no memory figures from a failed run
     assert "FAIL" in capsys.readouterr().out
 
 
@@ -355,3 +357,16 @@ def test_gpu_bench_finds_where_offloaded_logits_part_from_eager():
     top2 = expected[6].topk(2).values
     assert found["first_token_that_differs"] == 3 and not found["bit_exact"]
     assert found["eager_top2_margin_there"] == pytest.approx(float(top2[0] - top2[1]))
+
+
+def test_offload_targets_judge_each_fxoffload_mode_that_ran(capsys):
+    """The default mode ("fxoffload-deferred") run alone, or beside the captured one, gets its own rows."""
+    free = free_runs()
+    free["fxoffload-deferred"] = free.pop("fxoffload")
+    names = [t["name"] for t in targets.offload_targets(free, {}, None, budget=200 * MiB)]
+    assert "decode tok/s fxoffload-deferred / eager" in names
+    assert not any(" fxoffload / " in name for name in names)
+    free["fxoffload"] = run_row(9.0, decode_tok_s_rounds=[9.0, 9.0, 9.0])
+    names = [t["name"] for t in targets.offload_targets(free, {}, None, budget=200 * MiB)]
+    assert {"decode tok/s fxoffload / eager", "decode tok/s fxoffload-deferred / eager"} <= set(names)
+    capsys.readouterr()
