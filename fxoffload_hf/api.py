@@ -323,6 +323,9 @@ def _guard_modules(
     in_order = {m: name for m, name in names.items() if m in holders}  # the model's order
     eager = EagerWeights(in_order, engine.lock, engine.store, engine.memory)
     engine.memory_holders.append(eager)
+    room = engine.memory.room(0)
+    if room is not None:
+        eager.tile_projections(room)
     for module in holders:
         undo.extend(AttachedHook(handle) for handle in eager.install(module))
         undo.append(
@@ -334,25 +337,22 @@ def _guard_modules(
 
 
 def _defer_only_where_lends_fit(eager: EagerWeights, holders: set[nn.Module], engine: Engine) -> None:
-    """Deferred capture runs calls eagerly, each module lent its weights whole: where one module's do not
-    fit the budget (an output head larger than it, streamed in tiles once captured), capture from the
-    first call instead. Tells the deferral the largest module's bytes and the weights eager calls use
-    whole, in the model's order (those it may keep)."""
+    """Deferred capture runs calls eagerly, each module lent its weights whole (a plain projection too
+    large for that in tiles, ``eager_tiles``): where one module's do not fit the budget even so (a
+    projection with a forward of its own larger than it, streamed in tiles once captured), capture from
+    the first call instead. Tells the deferral how eager calls are lent weights, whole and in tiles."""
     room = engine.memory.room(0)
     if room is None or not holders:
         return
-    ordered = list(eager.names)  # the modules holding weights, in the model's order (``_guard_modules``)
-    lent = {module: eager.lent_bytes(module) for module in ordered}
-    largest = max(lent, key=lent.__getitem__)
     deferral = engine.deferral
-    deferral.largest_lent = lent[largest]
-    deferral.largest_span = max(eager.lent_span(module) for module in ordered)
-    deferral.keepable = list(dict.fromkeys(name for m in ordered for name in eager.used_whole(m)))
-    if lent[largest] > room:
+    deferral.lending = eager.lending(tiled=False)
+    if eager.tile_rows:
+        deferral.in_tiles, deferral.use_tiles = eager.lending(tiled=True), eager.use_tiles
+    smallest = deferral.lending if deferral.in_tiles is None else deferral.in_tiles
+    if smallest.largest > room:
         deferral.end(
-            f"capturing from the first call, not deferred: {type(largest).__name__} "
-            f"{eager.names.get(largest, '')!r} needs {format_bytes(lent[largest])} whole in an eager call, "
-            "more than the budget holds",
+            f"capturing from the first call, not deferred: {smallest.largest_name} needs "
+            f"{format_bytes(smallest.largest)} whole in an eager call, more than the budget holds",
             by_choice=False,
         )
 

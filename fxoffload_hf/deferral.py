@@ -16,7 +16,8 @@ are let go: the captured schedule chooses its own from its profile.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, format_bytes
 from fxoffload_hf.progress import report
@@ -27,6 +28,18 @@ from fxoffload_hf.weights import HeldBytes, WeightStore
 # neighbours once per graph, and generate captures two. Measured here on a 10-layer Llama (72 such
 # modules): about 7.5 s for both graphs, 0.1 s a module.
 _CAPTURE_SECONDS_PER_MODULE_CALL = 0.1
+
+
+@dataclass(frozen=True)
+class Lending:
+    """How eager calls are lent weights, one module at a time: the largest module's bytes lent whole
+    (``largest``, of module ``largest_name``), what such a module can hold mapped (whole 2 MiB units,
+    ``span``), and the weights eager calls use whole in the model's order (those they may keep)."""
+
+    largest: int = 0
+    largest_name: str = ""
+    span: int = 0
+    keepable: Sequence[str] = ()
 
 
 class Deferral:
@@ -42,10 +55,12 @@ class Deferral:
         # keeps none for eager calls
         self.counts_ram = counts_ram
         self.stats = stats
-        self.largest_lent = 0  # weight bytes of the largest module lent whole in an eager call
-        # and what such a module can hold mapped (whole 2 MiB units): the room kept weights leave it
-        self.largest_span = 0
-        self.keepable: Sequence[str] = ()  # weights eager calls use whole, in the model's order
+        self.lending = Lending()  # how eager calls are lent weights now
+        # projections too large to lend whole computed in tiles (``eager_tiles``): the lending then, and
+        # the switch that turns the tiles on; taken only where a call would not fit lent whole (tiles
+        # compute the projection once per tile), and then kept
+        self.in_tiles: Lending | None = None
+        self.use_tiles: Callable[[], None] = lambda: None
         self.by_choice = False  # deferring ended for speed (cost or a block), not for the budget
         self.refused = False  # such a capture needed more than the budget: calls stay eager
         self.eager_floor: int | None = None  # the budget the eager call that ended deferring needed
@@ -67,20 +82,25 @@ class Deferral:
             # weights are kept for the largest call seen, so that a generate's prefill and decode steps do
             # not let go and keep the same weights by turns
             self._largest_need = max(self._largest_need, need)
-            room = budget - self.memory.need(activations=max(need, expected), in_flight=self.largest_lent)
+            activations = max(need, expected)
+            if self.in_tiles is not None and budget < self.memory.need(
+                activations=activations, in_flight=self.lending.largest
+            ):
+                self.lending, self.in_tiles = self.in_tiles, None
+                self.use_tiles()
+            room = budget - self.memory.need(activations=activations, in_flight=self.lending.largest)
             room_to_keep = budget - self.memory.need(
                 activations=max(self._largest_need, expected),
-                in_flight=max(self.largest_lent, self.largest_span),
+                in_flight=max(self.lending.largest, self.lending.span),
             )
             if self._fill(room, room_to_keep):
                 return True
-        if need is not None:
-            self.eager_floor = self.memory.need(activations=max(need, expected), in_flight=self.largest_lent)
+            self.eager_floor = self.memory.need(activations=activations, in_flight=self.lending.largest)
         detail = (
             "its activations cannot be bounded from its inputs and the config"
             if need is None
             else f"its activations (at most {format_bytes(need)}) and the largest module's weights "
-            f"({format_bytes(self.largest_lent)}) do not fit {self.memory.budget_name}="
+            f"({format_bytes(self.lending.largest)}) do not fit {self.memory.budget_name}="
             f"{format_bytes(budget)} as eager code; the captured call streams them in pieces"
         )
         self.end(f"capturing from this call, not running it eagerly: {detail}", by_choice=False)
@@ -140,7 +160,7 @@ class Deferral:
         if not self.counts_ram:
             return room >= 0
         held = self._let_go(room)
-        for name in self.keepable:
+        for name in self.lending.keepable:
             record = self.store.records[name]
             if (
                 record.resident is None

@@ -10,12 +10,12 @@ named once in a warning. Inside a captured graph the hooks do nothing: the engin
 A module's eager call needs its weights whole, so it is refused when they cannot fit the budget
 (``BudgetTooSmallError`` naming the module), except a plain ``nn.Embedding``'s table: it is lent where it
 lies, read by rows as the engine's lookups read it (on CUDA its rows gathered on the host,
-``row_lookups``).
+``row_lookups``); and a plain ``nn.Linear``'s weight too large to lend beside another module's: its
+call is computed in tiles of rows, lent one at a time (``eager_tiles``).
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -24,14 +24,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import skip_code
 
 from fxoffload_hf.capture import handle_of
 from fxoffload_hf.cohort import SharedLock
+from fxoffload_hf.deferral import Lending
+from fxoffload_hf.eager_forwards import EagerForward, LendsAfterBreak, reads_rows
+from fxoffload_hf.eager_tiles import project_in_tiles, projects_by_rows, rows_per_eager_tile, tile_bytes
 from fxoffload_hf.loaders import ROWS_WHERE_THEY_LIE, Way, way_of
 from fxoffload_hf.mapped_io import MappedGroup
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
-from fxoffload_hf.row_lookups import gather_rows
+from fxoffload_hf.progress import report
 from fxoffload_hf.safetensors_io import TensorSlice
 from fxoffload_hf.weight_record import WeightRecord
 from fxoffload_hf.weights import WeightStore
@@ -77,6 +79,53 @@ class EagerWeights:
         # the order modules were lent weights in: the next one's pages are read ahead while one computes
         self._next: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
         self._previous: weakref.ReferenceType[nn.Module] | None = None
+        # projections that can be computed in tiles of rows (``eager_tiles``), and whether they are now
+        self.tile_rows: dict[nn.Module, int] = {}
+        self.tiling = False
+        self._tiled_names: list[str] = []
+
+    def tile_projections(self, room: int) -> None:
+        """Note the plain projections whose weight is too large to lend beside another module's within
+        ``room`` bytes for weights: their eager calls can be computed in tiles (from ``use_tiles`` on)."""
+        self.tile_rows.clear()
+        tiled = []
+        for module, name in self.names.items():
+            weight = module._parameters.get("weight")
+            handle = handle_of(weight)
+            if weight is None or handle is None or not projects_by_rows(module):
+                continue
+            rows = rows_per_eager_tile(handle.record, room, weight.device.type)
+            if rows is not None:
+                self.tile_rows[module] = rows
+                tiled.append(f"{name} ({-(-handle.record.shape[0] // rows)} tiles of {rows} rows)")
+        self._tiled_names = tiled
+
+    def use_tiles(self) -> None:
+        """Compute the projections ``tile_projections`` noted in tiles from now on."""
+        if not self.tiling:
+            report(
+                "eager calls compute %s in tiles of rows from now on: lent whole it does not fit beside "
+                "the call",
+                ", ".join(self._tiled_names),
+            )
+        self.tiling = True
+
+    def lending(self, tiled: bool) -> Lending:
+        """How eager calls are lent weights, with the noted projections in tiles or whole."""
+        was, self.tiling = self.tiling, tiled
+        try:
+            ordered = list(self.names)  # the model's order
+            if not ordered:
+                return Lending()
+            largest = max(ordered, key=self.lent_bytes)
+            return Lending(
+                largest=self.lent_bytes(largest),
+                largest_name=f"{type(largest).__name__} {self.names[largest]!r}",
+                span=max((self.lent_span(m) for m in ordered), default=0),
+                keepable=list(dict.fromkeys(name for m in ordered for name in self.used_whole(m))),
+            )
+        finally:
+            self.tiling = was
 
     def install(self, module: nn.Module) -> list[Any]:
         """Attach the hooks to ``module``; the removable handles.
@@ -85,11 +134,11 @@ class EagerWeights:
         after its hooks were traced (and did nothing): it is wrapped instead, in a wrapper dynamo does not
         trace either, which gives the weights around the call."""
         if getattr(module.forward, "_torchdynamo_disable", False):
-            return [_EagerForward(module, self)]
+            return [EagerForward(module, self)]
         return [
             module.register_forward_pre_hook(self.before),
             module.register_forward_hook(self.after, always_call=True),
-            _LendsAfterBreak(module, self),
+            LendsAfterBreak(module, self),
         ]
 
     def holds(self, module: nn.Module) -> bool:
@@ -131,7 +180,9 @@ class EagerWeights:
         self._check_fits(module, ghosts, ways)
         for i, (ghost, way) in enumerate(zip(ghosts, ways, strict=True)):
             record = _record(ghost)
-            if way is Way.HELD:
+            if self._tiled(module, ghost):
+                values[i] = ghost.data  # computed in tiles, lent one at a time (``project``)
+            elif way is Way.HELD:
                 values[i] = record.resident  # type: ignore[assignment]
             elif way is Way.ROWS:
                 values[i] = record.host  # type: ignore[assignment]
@@ -161,10 +212,34 @@ class EagerWeights:
         rows_only = reads_rows(module)
         return [way_of(_record(g), g.device.type, rows_only=rows_only) for g in ghosts]
 
+    def in_tiles(self, module: nn.Module) -> bool:
+        """Whether an eager call of ``module`` is computed in tiles now."""
+        return self.tiling and module in self.tile_rows
+
+    def _tiled(self, module: nn.Module, ghost: nn.Parameter) -> bool:
+        return self.in_tiles(module) and module._parameters.get("weight") is ghost
+
+    def project(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The eager call of a projection computed in tiles (``tile_projections``); its bias is lent."""
+        weight, bias = module._parameters["weight"], module._parameters.get("bias")
+        assert weight is not None
+        return project_in_tiles(x, weight, bias, self.store, self.tile_rows[module])
+
+    def _tile_bytes(self, module: nn.Module) -> int:
+        """What a tile of ``module``'s weight holds while it computes; 0 where it is lent whole."""
+        rows = self.tile_rows.get(module) if self.tiling else None
+        weight = module._parameters.get("weight")
+        if rows is None or weight is None:
+            return 0
+        return tile_bytes(_record(weight), rows, weight.device.type)
+
     def _check_fits(self, module: nn.Module, ghosts: list[nn.Parameter], ways: list[Way]) -> None:
         """Refuse an eager call whose weights, whole, cannot fit the budget."""
         room = None if self.memory is None else self.memory.room(0)
-        whole = _whole_bytes(module, ghosts, ways)
+        whole = _whole_bytes(module, ghosts, ways, self._tile_bytes(module))
+        if room is not None and whole > room and module in self.tile_rows and not self.tiling:
+            self.use_tiles()  # a projection lent whole does not fit: in tiles from now on
+            whole = _whole_bytes(module, ghosts, ways, self._tile_bytes(module))
         if room is None or whole <= room:
             return
         name = self.names.get(module, "")
@@ -179,7 +254,7 @@ class EagerWeights:
     def lent_bytes(self, module: nn.Module) -> int:
         """Bytes an eager call of ``module`` brings in whole (its table read by rows is not)."""
         ghosts = _ghosts(module)
-        return _whole_bytes(module, ghosts, self._ways(module, ghosts))
+        return _whole_bytes(module, ghosts, self._ways(module, ghosts), self._tile_bytes(module))
 
     def lent_span(self, module: nn.Module) -> int:
         """What an eager call of ``module`` can hold mapped: its weights used in place from their files
@@ -188,18 +263,20 @@ class EagerWeights:
         ghosts = _ghosts(module)
         whole = [
             (r, way)
-            for r, way in _used_whole(module, ghosts, self._ways(module, ghosts))
+            for r, way in _used_whole(module, ghosts, self._ways(module, ghosts), self.in_tiles(module))
             if way is not Way.HELD
         ]
         files = self.store.files
         units = {unit for r, way in whole if way is Way.MAPPED and r.disk for unit in files.units(r.disk)}
         mapped = files.held_bytes(units, self.store.in_place_sources()) if units else 0
-        return mapped + sum(r.footprint for r, way in whole if way is not Way.MAPPED)
+        tiles = self._tile_bytes(module)
+        return mapped + sum(r.footprint for r, way in whole if way is not Way.MAPPED) + tiles
 
     def used_whole(self, module: nn.Module) -> list[str]:
         """The weights an eager call of ``module`` uses whole (not a table it reads rows of)."""
         ghosts = _ghosts(module)
-        return [record.name for record, _way in _used_whole(module, ghosts, self._ways(module, ghosts))]
+        ways = self._ways(module, ghosts)
+        return [record.name for record, _way in _used_whole(module, ghosts, ways, self.in_tiles(module))]
 
     def _read_ahead_after(self, module: nn.Module) -> None:
         """Note that ``module`` follows the module lent weights before it, and read ahead the pages of
@@ -262,121 +339,26 @@ class EagerWeights:
         )
 
 
-class _ReplacedForward:
-    """``module.forward`` replaced by ``forward`` as an attribute of the instance; ``remove`` puts back
-    what was there (a removable handle, as the hooks' are)."""
-
-    def __init__(self, module: nn.Module, forward: Any) -> None:
-        self.module = module
-        self.had_own = "forward" in module.__dict__
-        self.old = module.__dict__.get("forward")
-        module.forward = forward  # type: ignore[method-assign]
-
-    def remove(self) -> None:
-        if self.had_own:
-            self.module.forward = self.old  # type: ignore[method-assign,assignment]
-        else:
-            self.module.__dict__.pop("forward", None)
-
-
-class _EagerForward(_ReplacedForward):
-    """``module.forward`` replaced by an untraced wrapper that holds the weights for the call."""
-
-    def __init__(self, module: nn.Module, hooks: EagerWeights) -> None:
-        original = module.forward
-
-        @torch.compiler.disable
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            hooks.before(module, args)
-            try:
-                return original(*args, **kwargs)
-            finally:
-                hooks.after(module, args, None)
-
-        super().__init__(module, forward)
-
-
-class _LendsAfterBreak(_ReplacedForward):
-    """``module.forward`` wrapped for a forward that runs for real after dynamo traced its pre-hook.
-
-    Dynamo traces a module's call, its pre-hook with it (which does nothing while dynamo traces); a graph
-    break inside the forward that dynamo cannot resume there (inside a loop over a tensor, as in some
-    mixture-of-experts layers) ends the graph at the call of ``forward`` in the module's ``__call__``,
-    and the forward then runs for real with no weights lent: its ghosts read as NaN. Traced, this wrapper
-    is the forward itself; run as a frame of its own (dynamo never compiles it: ``skip_code``), it lends
-    the weights for the call unless the hooks did. Dynamo may still capture graphs around the break
-    inside (fed by the engine); whether it gave up on part of the forward is not known before that part
-    runs, so the weights are lent for every such call: exact first, at the cost of a read."""
-
-    def __init__(self, module: nn.Module, hooks: EagerWeights) -> None:
-        super().__init__(module, _lending_forward(module, module.forward, hooks))
-
-
-def _lending_forward(module: nn.Module, original: Any, hooks: EagerWeights) -> Any:
-    by_rows = reads_rows(module)
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if by_rows and args and module.weight.device != args[0].device:
-            return gather_rows(args[0], module.weight)  # lent where it lies (``Way.ROWS``): gathered there
-        return original(*args, **kwargs)
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_dynamo_compiling():
-            return original(*args, **kwargs)
-        if hooks.holds(module):
-            return run(*args, **kwargs)
-        _lend(hooks, module, args)
-        try:
-            return run(*args, **kwargs)
-        finally:
-            _give_back(hooks, module, args)
-
-    forward.lends_weights = True  # type: ignore[attr-defined]
-    skip_code(forward.__code__)  # type: ignore[attr-defined]  # every wrapper shares this code object
-    return forward
-
-
-# called from a frame dynamo skips, inside a compiled call: dynamo would compile their frames (and see
-# itself compiling), so they are run as they are
-@torch.compiler.disable
-def _lend(hooks: EagerWeights, module: nn.Module, args: Any) -> None:
-    hooks.before(module, args)
-
-
-@torch.compiler.disable
-def _give_back(hooks: EagerWeights, module: nn.Module, args: Any) -> None:
-    hooks.after(module, args, None)
-
-
-def unwrapped_forward(forward: Any) -> Any:
-    """``forward`` without ``_LendsAfterBreak``'s wrapper (an entry point is compiled as itself)."""
-    return forward.__wrapped__ if getattr(forward, "lends_weights", False) else forward
-
-
-def _whole_bytes(module: nn.Module, ghosts: list[nn.Parameter], ways: list[Way]) -> int:
+def _whole_bytes(module: nn.Module, ghosts: list[nn.Parameter], ways: list[Way], tile: int) -> int:
     """Bytes an eager call brings in whole: not the kept weights, nor a table read by rows where it lies
-    (host RAM, or its file's pages, faulted in by the rows read)."""
-    return sum(record.footprint for record, way in _used_whole(module, ghosts, ways) if way is not Way.HELD)
+    (host RAM, or its file's pages, faulted in by the rows read); ``tile``: what one tile of a weight
+    computed in tiles holds (0: none is)."""
+    used = _used_whole(module, ghosts, ways, tile > 0)
+    return sum(record.footprint for record, way in used if way is not Way.HELD) + tile
 
 
 def _used_whole(
-    module: nn.Module, ghosts: list[nn.Parameter], ways: list[Way]
+    module: nn.Module, ghosts: list[nn.Parameter], ways: list[Way], tiled: bool
 ) -> list[tuple[WeightRecord, Way]]:
     """The weights an eager call of ``module`` uses whole, with the way each comes: not a table it reads
-    rows of where the table lies."""
+    rows of where the table lies, nor a weight it computes with in tiles (``tiled``)."""
     by_rows = reads_rows(module)
+    weight = module._parameters.get("weight")
     return [
         (_record(g), way)
         for g, way in zip(ghosts, ways, strict=True)
-        if not (by_rows and way in ROWS_WHERE_THEY_LIE)
+        if not (by_rows and way in ROWS_WHERE_THEY_LIE) and not (tiled and g is weight)
     ]
-
-
-def reads_rows(module: nn.Module) -> bool:
-    """Whether ``module`` is a plain ``nn.Embedding`` (its own forward, no ``max_norm``): its calls read
-    rows of its table, which can be lent where it lies."""
-    return type(module).forward is nn.Embedding.forward and getattr(module, "max_norm", 1) is None
 
 
 def _record(ghost: nn.Parameter) -> WeightRecord:

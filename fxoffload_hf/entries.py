@@ -14,7 +14,8 @@ from torch import nn
 
 from fxoffload_hf import eager_paths
 from fxoffload_hf.capture import compile_entry
-from fxoffload_hf.eager_fallback import EagerWeights, unwrapped_forward
+from fxoffload_hf.eager_fallback import EagerWeights
+from fxoffload_hf.eager_forwards import unwrapped_forward
 from fxoffload_hf.eager_memory import eager_call_bytes
 from fxoffload_hf.engine import Engine
 from fxoffload_hf.generate_memory import counting_kv

@@ -101,6 +101,8 @@ def checkpoint_config(arch: str):
             vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2,
         )  # fmt: skip
+    if arch == "gpt2-vocab-heavy":  # its output head tied to the embedding table (31 MiB)
+        return tf.GPT2Config(n_layer=2, n_head=4, n_embd=256, vocab_size=32000)
     if arch == "qwen2":
         return tf.Qwen2Config(num_key_value_heads=2, **small)
     if arch == "mistral":
@@ -227,6 +229,24 @@ def snapshot_params_fixture() -> Callable[[nn.Module], dict[str, tuple[nn.Parame
 def assert_not_offloaded_fixture() -> Callable[[nn.Module, dict], None]:
     """``assert_not_offloaded(model, before)``: not offloaded, the parameters of ``before`` unchanged."""
     return assert_not_offloaded
+
+
+@pytest.fixture
+def tile_holds(monkeypatch) -> list[str]:
+    """The ways tiles came into their whole-shaped buffers, in order: "hold" (copied) or "hold_file"
+    (their file's pages mapped, no copy); a spy on ``tile_buffer.WholeShapedBuffer``."""
+    from fxoffload_hf import tile_buffer
+
+    held: list[str] = []
+    for way in ("hold", "hold_file"):
+        original = getattr(tile_buffer.WholeShapedBuffer, way)
+
+        def spy(self, *args, _way=way, _original=original):
+            held.append(_way)
+            return _original(self, *args)
+
+        monkeypatch.setattr(tile_buffer.WholeShapedBuffer, way, spy)
+    return held
 
 
 @pytest.fixture(scope="session")

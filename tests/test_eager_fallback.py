@@ -13,7 +13,8 @@ from torch import nn
 
 import fxoffload_hf
 from fxoffload_hf.capture import handle_of
-from fxoffload_hf.eager_fallback import EagerFallbackWarning, reads_rows
+from fxoffload_hf.eager_fallback import EagerFallbackWarning
+from fxoffload_hf.eager_forwards import reads_rows
 from fxoffload_hf.memory_model import BudgetTooSmallError
 
 

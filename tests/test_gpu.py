@@ -324,10 +324,9 @@ def test_a_large_vocabulary_runs_far_below_its_tables_on_the_gpu(tmp_path, dtype
         fxoffload_hf.restore(model)
 
 
-def test_deferred_calls_gather_embedding_rows_on_the_host(tmp_path, checkpoint_config):
-    """Deferred capture on the GPU with a table of 32,000 rows: eager calls lend the token table where it
-    lies (pinned host RAM) and gather its rows there, as captured lookups do; tokens equal eager's and the
-    table never reaches the device."""
+def _vocab_heavy_checkpoint_and_eager_tokens(tmp_path, checkpoint_config):
+    """Save the vocabulary-heavy Llama to ``tmp_path / "ckpt"``; a prompt on the GPU, greedy settings,
+    eager's tokens for them on the GPU, and the weights' bytes."""
     import transformers
 
     config = checkpoint_config("llama-vocab-heavy")
@@ -338,8 +337,14 @@ def test_deferred_calls_gather_embedding_rows_on_the_host(tmp_path, checkpoint_c
     greedy = {"max_new_tokens": 4, "do_sample": False}
     with torch.no_grad():
         expected = eager.generate(ids, **greedy)
-    total = sum(p.numel() * p.element_size() for p in eager.parameters())
-    del eager
+    return ids, greedy, expected, sum(p.numel() * p.element_size() for p in eager.parameters())
+
+
+def test_deferred_calls_gather_embedding_rows_on_the_host(tmp_path, checkpoint_config):
+    """Deferred capture on the GPU with a table of 32,000 rows: eager calls lend the token table where it
+    lies (pinned host RAM) and gather its rows there, as captured lookups do; tokens equal eager's and the
+    table never reaches the device."""
+    ids, greedy, expected, total = _vocab_heavy_checkpoint_and_eager_tokens(tmp_path, checkpoint_config)
     model = fxoffload_hf.from_pretrained(
         tmp_path / "ckpt", gpu_memory=int(total * 0.6), device="cuda", capture="deferred"
     )
@@ -351,6 +356,34 @@ def test_deferred_calls_gather_embedding_rows_on_the_host(tmp_path, checkpoint_c
         assert engine.stats.eager_calls >= 1 and engine.runners == []
         assert torch.equal(got, expected)
         assert engine.store.records["model.embed_tokens.weight"].tier is not Tier.DEVICE
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_deferred_calls_compute_a_head_larger_than_the_budget_in_tiles_on_the_gpu(
+    tmp_path, checkpoint_config
+):
+    """Deferred capture on the GPU below the output head (``eager_tiles``): eager calls lend its rows a
+    tile at a time, each computed alone as a graph's tile is on CUDA; greedy tokens equal eager's, no
+    graph is captured, and device memory stays within the budget."""
+    ids, greedy, expected, _total = _vocab_heavy_checkpoint_and_eager_tokens(tmp_path, checkpoint_config)
+    budget = 32000 * 256 * 4 // 2  # half the head
+    model = fxoffload_hf.from_pretrained(
+        tmp_path / "ckpt", gpu_memory=budget, device="cuda", capture="deferred"
+    )
+    try:
+        engine = fxoffload_hf.engine_of(model)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with torch.no_grad():
+            got = model.generate(ids, **greedy)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        assert engine.stats.eager_calls >= 1 and engine.runners == []
+        assert any(r.tile_of == "lm_head.weight" for r in engine.store.records.values())
+        assert torch.equal(got, expected)
+        assert peak <= budget * 1.1, (peak, budget)
     finally:
         fxoffload_hf.restore(model)
 

@@ -171,7 +171,7 @@ def test_a_weight_no_tile_can_serve_is_refused_naming_its_use() -> None:
 
 
 @pytest.mark.parametrize("data_start", [0, 8])
-def test_tiles_mapped_from_their_file_or_copied_equal_eager(tmp_path, monkeypatch, data_start: int) -> None:
+def test_tiles_mapped_from_their_file_or_copied_equal_eager(tmp_path, tile_holds, data_start: int) -> None:
     """A tile that is a view of its checkpoint file is mapped into the whole-shaped buffer with no copy
     where its weight lies 16-byte aligned in the file (``hold_file``), else copied (``hold``); eager's
     logits and decode scores bit for bit either way."""
@@ -179,15 +179,6 @@ def test_tiles_mapped_from_their_file_or_copied_equal_eager(tmp_path, monkeypatc
 
     eager = _vocab_heavy_llama(tmp_path)
     align_shards_in_place(tmp_path, data_start)
-    held: list[str] = []
-    for way in ("hold", "hold_file"):
-        original = getattr(tile_buffer.WholeShapedBuffer, way)
-
-        def spy(self, *args, _way=way, _original=original):
-            held.append(_way)
-            return _original(self, *args)
-
-        monkeypatch.setattr(tile_buffer.WholeShapedBuffer, way, spy)
     ids = torch.randint(0, 32000, (1, 8), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = eager(ids).logits
@@ -201,4 +192,4 @@ def test_tiles_mapped_from_their_file_or_copied_equal_eager(tmp_path, monkeypatc
             assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores, strict=True))
     finally:
         fxoffload_hf.restore(model)
-    assert held and set(held) == ({"hold_file"} if data_start == 0 else {"hold"})
+    assert tile_holds and set(tile_holds) == ({"hold_file"} if data_start == 0 else {"hold"})

@@ -1,0 +1,121 @@
+"""The forwards that lend a module its weights around an eager call where hooks cannot (``eager_fallback``).
+
+A forward that dynamo is told never to trace gets an untraced wrapper that lends around it
+(``EagerForward``); every other module holding ghosts gets one that lends where dynamo traced its pre-hook
+and the forward then ran for real (``LendsAfterBreak``). Inside either, a plain embedding's table is read
+by rows where it lies and a projection too large to lend whole is computed in tiles (``eager_tiles``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch._dynamo.eval_frame import skip_code
+
+from fxoffload_hf.row_lookups import gather_rows
+
+if TYPE_CHECKING:
+    from fxoffload_hf.eager_fallback import EagerWeights
+
+
+class ReplacedForward:
+    """``module.forward`` replaced by ``forward`` as an attribute of the instance; ``remove`` puts back
+    what was there (a removable handle, as the hooks' are)."""
+
+    def __init__(self, module: nn.Module, forward: Any) -> None:
+        self.module = module
+        self.had_own = "forward" in module.__dict__
+        self.old = module.__dict__.get("forward")
+        module.forward = forward  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        if self.had_own:
+            self.module.forward = self.old  # type: ignore[method-assign,assignment]
+        else:
+            self.module.__dict__.pop("forward", None)
+
+
+class EagerForward(ReplacedForward):
+    """``module.forward`` replaced by an untraced wrapper that holds the weights for the call."""
+
+    def __init__(self, module: nn.Module, hooks: EagerWeights) -> None:
+        original = module.forward
+
+        @torch.compiler.disable
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            hooks.before(module, args)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                hooks.after(module, args, None)
+
+        super().__init__(module, forward)
+
+
+class LendsAfterBreak(ReplacedForward):
+    """``module.forward`` wrapped for a forward that runs for real after dynamo traced its pre-hook.
+
+    Dynamo traces a module's call, its pre-hook with it (which does nothing while dynamo traces); a graph
+    break inside the forward that dynamo cannot resume there (inside a loop over a tensor, as in some
+    mixture-of-experts layers) ends the graph at the call of ``forward`` in the module's ``__call__``,
+    and the forward then runs for real with no weights lent: its ghosts read as NaN. Traced, this wrapper
+    is the forward itself; run as a frame of its own (dynamo never compiles it: ``skip_code``), it lends
+    the weights for the call unless the hooks did. Dynamo may still capture graphs around the break
+    inside (fed by the engine); whether it gave up on part of the forward is not known before that part
+    runs, so the weights are lent for every such call: exact first, at the cost of a read."""
+
+    def __init__(self, module: nn.Module, hooks: EagerWeights) -> None:
+        super().__init__(module, _lending_forward(module, module.forward, hooks))
+
+
+def _lending_forward(module: nn.Module, original: Any, hooks: EagerWeights) -> Any:
+    by_rows = reads_rows(module)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if by_rows and args and module.weight.device != args[0].device:
+            return gather_rows(args[0], module.weight)  # lent where it lies (``Way.ROWS``): gathered there
+        if hooks.in_tiles(module):
+            return hooks.project(module, args[0] if args else kwargs["input"])
+        return original(*args, **kwargs)
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():
+            return original(*args, **kwargs)
+        if hooks.holds(module):
+            return run(*args, **kwargs)
+        _lend(hooks, module, args)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            _give_back(hooks, module, args)
+
+    forward.lends_weights = True  # type: ignore[attr-defined]
+    skip_code(forward.__code__)  # type: ignore[attr-defined]  # every wrapper shares this code object
+    return forward
+
+
+# called from a frame dynamo skips, inside a compiled call: dynamo would compile their frames (and see
+# itself compiling), so they are run as they are
+@torch.compiler.disable
+def _lend(hooks: EagerWeights, module: nn.Module, args: Any) -> None:
+    hooks.before(module, args)
+
+
+@torch.compiler.disable
+def _give_back(hooks: EagerWeights, module: nn.Module, args: Any) -> None:
+    hooks.after(module, args, None)
+
+
+def unwrapped_forward(forward: Any) -> Any:
+    """``forward`` without ``LendsAfterBreak``'s wrapper (an entry point is compiled as itself)."""
+    return forward.__wrapped__ if getattr(forward, "lends_weights", False) else forward
+
+
+def reads_rows(module: nn.Module) -> bool:
+    """Whether ``module`` is a plain ``nn.Embedding`` (its own forward, no ``max_norm``): its calls read
+    rows of its table, which can be lent where it lies."""
+    return type(module).forward is nn.Embedding.forward and getattr(module, "max_norm", 1) is None

@@ -1,0 +1,113 @@
+"""Eager calls of a projection whose weight is too large to lend whole: its rows lent a tile at a time.
+
+A plain ``nn.Linear`` whose weight cannot be lent whole beside another module (an output head of a large
+vocabulary under a small budget) would make every eager call refuse, and deferred capture (the default)
+capture from the first call, where graphs' state may not fit either. Its eager call is computed as a
+captured graph computes a tiled projection (``tiles``): rows ``a:b`` of the weight at a time, each with
+``tile_linear`` (on the CPU bit for bit as the whole projection; on CUDA each tile alone, and only where
+the weight cannot fit even alone, as in graphs). Each tile is lent as a stored weight is: mapped from its
+file where it lies, else read; the next tile's pages are read ahead while one computes. Tiles are the
+store's (``WeightStore.add_tile``), so a dtype change or a spill re-points them as it does a graph's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from fxoffload_hf.capture import handle_of
+from fxoffload_hf.loaders import Way, way_of
+from fxoffload_hf.mapped_io import MappedGroup
+from fxoffload_hf.tiles import (
+    copied_to_compute,
+    fewest_rows,
+    rows_per_tile,
+    tile_op,
+    tile_ranges,
+    too_large_for,
+)
+from fxoffload_hf.weight_record import WeightRecord
+from fxoffload_hf.weights import WeightStore
+
+# a tile takes at most this share of the room for weights (held twice on the CPU while it computes), as a
+# graph's tiles do: the room left keeps other weights for eager calls
+_TILE_SHARE = 4
+
+
+def projects_by_rows(module: nn.Module) -> bool:
+    """Whether ``module`` is a plain ``nn.Linear`` (its own forward) of a 2-D weight: its eager call can
+    be computed in tiles of the weight's rows."""
+    weight = module._parameters.get("weight")
+    return type(module).forward is nn.Linear.forward and weight is not None and weight.dim() == 2
+
+
+def rows_per_eager_tile(record: WeightRecord, room: int, device_type: str) -> int | None:
+    """Rows per tile for eager calls of a projection by ``record`` within ``room`` bytes for weights; None
+    where the weight is lent whole (it fits beside another module's, or cannot stream)."""
+    if not record.tier.streams or record.footprint <= too_large_for(room, device_type):
+        return None
+    shape, itemsize = record.shape, record.dtype.itemsize
+    rows = rows_per_tile(shape, itemsize, room // _TILE_SHARE) or min(fewest_rows(shape, itemsize), shape[0])
+    return rows if rows < shape[0] else None
+
+
+def tile_bytes(record: WeightRecord, rows: int, device_type: str) -> int:
+    """What one tile of ``rows`` rows of ``record`` holds while it computes: its share of the weight's
+    footprint (a converted copy with it), and its copy in the whole-shaped buffer on the CPU."""
+    copy = rows * math.prod(record.shape[1:]) * record.dtype.itemsize if copied_to_compute(device_type) else 0
+    return -(-record.footprint * rows // record.shape[0]) + copy
+
+
+def project_in_tiles(
+    x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None, store: WeightStore, rows: int
+) -> torch.Tensor:
+    """``linear(x, W, bias)`` for the stored weight ``W`` that ghost ``weight`` stands for, ``rows`` rows
+    at a time."""
+    handle = handle_of(weight)
+    assert handle is not None, "a tiled projection's weight is a ghost"
+    record, device = handle.record, weight.device
+    copied, op = copied_to_compute(device.type), tile_op(device.type)
+    tiles = [store.add_tile(record.name, a, b, copied=copied) for a, b in tile_ranges(record.shape[0], rows)]
+    filled: torch.Tensor | None = None
+    for i, tile in enumerate(tiles):
+        with _lent(store, tile, weight, tiles[i + 1] if i + 1 < len(tiles) else None) as value:
+            filled = op(x, value, bias, tile.tile_rows[0], record.shape[0], filled)
+    assert filled is not None
+    return filled
+
+
+@contextmanager
+def _lent(
+    store: WeightStore, tile: WeightRecord, ghost: nn.Parameter, following: WeightRecord | None
+) -> Iterator[torch.Tensor]:
+    """``tile``'s values for one tile's call: a view of its file's pages where they serve as they lie,
+    else read (and converted to the ghost's dtype); ``following``'s pages read ahead meanwhile."""
+    group = _mapped_group(store, tile, ghost)
+    ahead = _mapped_group(store, following, ghost) if following is not None else None
+    if group is None:
+        if ahead is not None:
+            store.files.read_ahead(ahead)
+        value = store.read(tile).to(ghost.device, ghost.dtype)
+    else:
+        store.files.acquire(group)
+        if ahead is not None:
+            store.files.read_ahead(ahead)
+        value = group.views[0]
+    if tile.requires_grad and not torch.is_grad_enabled():  # as ``EagerWeights.before`` lends weights
+        value = value.detach().requires_grad_()
+    try:
+        yield value
+    finally:
+        if group is not None:
+            store.files.release_groups([group], store.drop_cache)
+
+
+def _mapped_group(store: WeightStore, tile: WeightRecord, ghost: nn.Parameter) -> MappedGroup | None:
+    """A mapped group of ``tile``'s file pages where they serve the compute as they lie; else None."""
+    if tile.disk is None or ghost.dtype != tile.dtype or way_of(tile, ghost.device.type) is not Way.MAPPED:
+        return None
+    return store.files.group([tile.disk], [True])
