@@ -27,7 +27,7 @@ from fxoffload_hf.graph_entry import GraphEntry
 from fxoffload_hf.graphs import call_inputs, capture_device, graph_facts, retarget_devices
 from fxoffload_hf.loaders import DeviceOps, InlineReader, ThreadedReader, make_loader
 from fxoffload_hf.memory import return_large_frees_to_the_os
-from fxoffload_hf.memory_model import MemoryModel, format_bytes
+from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, format_bytes
 from fxoffload_hf.partition import Partition
 from fxoffload_hf.planner import GraphInput, ModelPlan, partition_for_budget, plan_model, sizes_for_budget
 from fxoffload_hf.program import build_program
@@ -103,7 +103,16 @@ class Engine:
         if traced_on is not None and traced_on != self.device:
             retarget_devices(gm.graph, traced_on, self.device)
             gm.recompile()
+        counted = self.memory
         self._count_graph_state(len(gm.graph.nodes))
+        try:
+            return self._entry(gm, example_inputs, received)
+        except BudgetTooSmallError:
+            self._set_memory(counted)  # a refused graph is not kept: nor is its state counted
+            raise
+
+    def _entry(self, gm: fx.GraphModule, example_inputs: list[Any], received: float) -> GraphEntry:
+        """Cut a captured graph into pieces, plan them, and the entry that runs them."""
         facts = graph_facts(gm, example_inputs)
         device_type = self.loader.device_type
         if device_type == "cuda" and facts.lookups:

@@ -245,7 +245,7 @@ def test_eager_calls_keep_what_the_budget_leaves_and_let_it_go_for_capture(
 
 @pytest.mark.usefixtures("counted_graph_state")
 def test_a_refusal_for_a_graphs_state_names_the_smaller_budget_eager_calls_need(
-    tmp_path, save_checkpoint, logits
+    tmp_path, save_checkpoint, logits, monkeypatch
 ):
     """A tiny model's captured graph holds more host memory than its weights: where an eager call did
     not fit and its capture is refused, the refusal names the budget its eager calls need, and a model
@@ -267,5 +267,12 @@ def test_a_refusal_for_a_graphs_state_names_the_smaller_budget_eager_calls_need(
     try:
         assert torch.equal(logits(model, batch), logits(eager, batch))
         assert engine.stats.eager_calls == 1 and engine.runners == []
+        # a capture chosen for speed is refused here: calls stay eager, and the refused graph's state is
+        # not counted (it was not kept), so later eager calls have the budget they had
+        monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
+        assert torch.equal(logits(model, batch), logits(eager, batch))
+        assert torch.equal(logits(model, batch), logits(eager, batch))
+        assert engine.deferral.refused and engine.runners == [] and engine.stats.eager_calls == 3
+        assert engine.memory.graph_bytes == 0 and engine.memory.capture_reserve == 0
     finally:
         fxoffload_hf.restore(model)

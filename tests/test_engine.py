@@ -37,7 +37,9 @@ def test_each_captured_graphs_state_is_counted_and_a_budget_below_it_is_refused_
     finally:
         fxoffload_hf.restore(tight)
     assert refused.value.smallest_budget > counted
-    # a generate's KV cache is blamed only where the rest fits without it
+    assert tight_engine.memory.graph_bytes == 0  # the refused graph is not kept, nor counted
+    # a generate's KV cache is blamed only where the rest fits without it (here: the graph's state)
+    tight_engine._set_memory(tight_engine.memory.with_graph(counted // GRAPH_STATE_BYTES_PER_OP))
     with pytest.raises(BudgetTooSmallError, match="cannot hold the rest even without it"):
         tight_engine.expect_activations(1024, "a KV cache of 1 KiB")
     with pytest.raises(BudgetTooSmallError, match="ask for fewer new tokens"):
