@@ -345,10 +345,9 @@ def _defer_only_where_lends_fit(eager: EagerWeights, holders: set[nn.Module], en
     if room is None or not holders:
         return
     deferral = engine.deferral
-    deferral.lending = eager.lending(tiled=False)
+    deferral.lending = smallest = eager.lending(tiled=False)
     if eager.tile_rows:
-        deferral.in_tiles, deferral.use_tiles = eager.lending(tiled=True), eager.use_tiles
-    smallest = deferral.lending if deferral.in_tiles is None else deferral.in_tiles
+        deferral.tiles, smallest = eager.use_tiles, eager.lending(tiled=True)
     if smallest.largest > room:
         deferral.end(
             f"capturing from the first call, not deferred: {smallest.largest_name} needs "

@@ -56,11 +56,10 @@ class Deferral:
         self.counts_ram = counts_ram
         self.stats = stats
         self.lending = Lending()  # how eager calls are lent weights now
-        # projections too large to lend whole computed in tiles (``eager_tiles``): the lending then, and
-        # the switch that turns the tiles on; taken only where a call would not fit lent whole (tiles
-        # compute the projection once per tile), and then kept
-        self.in_tiles: Lending | None = None
-        self.use_tiles: Callable[[], None] = lambda: None
+        # where projections can be computed in tiles (``eager_tiles``): turns them on, sized for the room
+        # it is given beside a call, and gives the lending then; used only where a call would not fit
+        # as lent now (tiles compute the projection once per tile), and then kept (made smaller if need be)
+        self.tiles: Callable[[int], Lending] | None = None
         self.by_choice = False  # deferring ended for speed (cost or a block), not for the budget
         self.refused = False  # such a capture needed more than the budget: calls stay eager
         self.eager_floor: int | None = None  # the budget the eager call that ended deferring needed
@@ -83,12 +82,10 @@ class Deferral:
             # not let go and keep the same weights by turns
             self._largest_need = max(self._largest_need, need)
             activations = max(need, expected)
-            if self.in_tiles is not None and budget < self.memory.need(
-                activations=activations, in_flight=self.lending.largest
-            ):
-                self.lending, self.in_tiles = self.in_tiles, None
-                self.use_tiles()
-            room = budget - self.memory.need(activations=activations, in_flight=self.lending.largest)
+            beside = budget - self.memory.need(activations=activations)  # the room for weights
+            if self.tiles is not None and self.lending.largest > beside:
+                self.lending = self.tiles(beside)
+            room = beside - self.lending.largest
             room_to_keep = budget - self.memory.need(
                 activations=max(self._largest_need, expected),
                 in_flight=max(self.lending.largest, self.lending.span),

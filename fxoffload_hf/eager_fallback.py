@@ -100,15 +100,16 @@ class EagerWeights:
                 tiled.append(f"{name} ({-(-handle.record.shape[0] // rows)} tiles of {rows} rows)")
         self._tiled_names = tiled
 
-    def use_tiles(self) -> None:
-        """Compute the projections ``tile_projections`` noted in tiles from now on."""
-        if not self.tiling:
-            report(
-                "eager calls compute %s in tiles of rows from now on: lent whole it does not fit beside "
-                "the call",
-                ", ".join(self._tiled_names),
-            )
+    def use_tiles(self, room: int) -> Lending:
+        """Compute the projections too large to lend whole beside ``room`` bytes for weights in tiles
+        sized for it, from now on; how eager calls are lent weights then."""
+        self.tile_projections(room)
+        report(
+            "eager calls compute %s in tiles of rows from now on: lent whole, it does not fit beside the call",
+            ", ".join(self._tiled_names),
+        )
         self.tiling = True
+        return self.lending(tiled=True)
 
     def lending(self, tiled: bool) -> Lending:
         """How eager calls are lent weights, with the noted projections in tiles or whole."""
@@ -237,8 +238,8 @@ class EagerWeights:
         """Refuse an eager call whose weights, whole, cannot fit the budget."""
         room = None if self.memory is None else self.memory.room(0)
         whole = _whole_bytes(module, ghosts, ways, self._tile_bytes(module))
-        if room is not None and whole > room and module in self.tile_rows and not self.tiling:
-            self.use_tiles()  # a projection lent whole does not fit: in tiles from now on
+        if room is not None and whole > room and module in self.tile_rows:
+            self.use_tiles(room)  # lent as it is, it does not fit: in tiles (smaller ones) from now on
             whole = _whole_bytes(module, ghosts, ways, self._tile_bytes(module))
         if room is None or whole <= room:
             return

@@ -36,6 +36,9 @@ from fxoffload_hf.weights import WeightStore
 # a tile takes at most this share of the room for weights (held twice on the CPU while it computes), as a
 # graph's tiles do: the room left keeps other weights for eager calls
 _TILE_SHARE = 4
+# and an eager call cuts a weight into at most this many tiles: each computes the whole projection, so a
+# call that needs smaller ones is captured instead (its pieces stream beside the compute)
+MOST_TILES = 8
 
 
 def projects_by_rows(module: nn.Module) -> bool:
@@ -48,18 +51,34 @@ def projects_by_rows(module: nn.Module) -> bool:
 def rows_per_eager_tile(record: WeightRecord, room: int, device_type: str) -> int | None:
     """Rows per tile for eager calls of a projection by ``record`` within ``room`` bytes for weights; None
     where the weight is lent whole (it fits beside another module's, or cannot stream)."""
-    if not record.tier.streams or record.footprint <= too_large_for(room, device_type):
+    if not record.tier.streams:
         return None
-    shape, itemsize = record.shape, record.dtype.itemsize
-    rows = rows_per_tile(shape, itemsize, room // _TILE_SHARE) or min(fewest_rows(shape, itemsize), shape[0])
+    return tile_rows_for(record.shape, record.dtype.itemsize, record.footprint, room, device_type)
+
+
+def tile_rows_for(
+    shape: tuple[int, ...], itemsize: int, footprint: int, room: int, device_type: str
+) -> int | None:
+    """As ``rows_per_eager_tile``, for a weight of ``shape`` and ``itemsize`` that takes ``footprint``
+    bytes whole (``plan`` asks without a store)."""
+    if footprint <= too_large_for(room, device_type):
+        return None
+    step = fewest_rows(shape, itemsize)
+    fewest = -(-shape[0] // MOST_TILES // step) * step or step  # whole pages, at most MOST_TILES tiles
+    rows = max(rows_per_tile(shape, itemsize, room // _TILE_SHARE), fewest)
     return rows if rows < shape[0] else None
 
 
 def tile_bytes(record: WeightRecord, rows: int, device_type: str) -> int:
     """What one tile of ``rows`` rows of ``record`` holds while it computes: its share of the weight's
     footprint (a converted copy with it), and its copy in the whole-shaped buffer on the CPU."""
-    copy = rows * math.prod(record.shape[1:]) * record.dtype.itemsize if copied_to_compute(device_type) else 0
-    return -(-record.footprint * rows // record.shape[0]) + copy
+    return tile_held(record.shape, record.dtype.itemsize, record.footprint, rows, device_type)
+
+
+def tile_held(shape: tuple[int, ...], itemsize: int, footprint: int, rows: int, device_type: str) -> int:
+    """As ``tile_bytes``, for a weight of ``shape`` and ``itemsize`` that takes ``footprint`` bytes whole."""
+    copy = rows * math.prod(shape[1:]) * itemsize if copied_to_compute(device_type) else 0
+    return -(-footprint * rows // shape[0]) + copy
 
 
 def project_in_tiles(

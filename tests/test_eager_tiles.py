@@ -39,7 +39,8 @@ def test_a_head_too_large_to_lend_whole_runs_eagerly_in_tiles_bit_for_bit(tmp_pa
         assert engine.runners == [] and engine.stats.eager_calls == 4 and engine.deferring
         hooks = next(h for h in engine.memory_holders if hasattr(h, "tile_rows"))
         (head,) = hooks.tile_rows
-        assert hooks.lent_bytes(head) <= budget // 2  # a tile and its copy, not the whole head
+        # a tile and its copy, not the whole head: an eighth at most (each tile computes the projection)
+        assert hooks.lent_bytes(head) <= 2 * _TABLE // eager_tiles.MOST_TILES
         assert any(r.tile_of is not None for r in engine.store.records.values())
     finally:
         fxoffload_hf.restore(model)
@@ -84,10 +85,11 @@ def test_eager_tiles_of_a_converted_weight_are_read_and_converted(tmp_path, save
         fxoffload_hf.restore(model)
 
 
-@pytest.mark.parametrize("room", [8 * 2**20, 40 * 2**20, 200 * 2**20])
-def test_eager_tiles_fill_a_quarter_of_the_room_in_whole_pages(tmp_path, room):
+@pytest.mark.parametrize("room", [0, 8 * 2**20, 40 * 2**20, 200 * 2**20])
+def test_eager_tiles_fill_a_quarter_of_the_room_in_whole_pages_and_are_few(tmp_path, room):
     """On the CPU a weight is tiled where it cannot be lent beside another as large (more than half the
-    room), in tiles of whole pages within a quarter of the room (held twice while one computes)."""
+    room), in tiles of whole pages within a quarter of the room (held twice while one computes), but
+    never more than ``MOST_TILES`` of them: each tile's call computes the whole projection."""
     record = WeightRecord("head.weight", (32000, 256), torch.float32)
     record.disk = TensorSlice(
         tmp_path / "x.safetensors", "head.weight", 0, _TABLE, torch.float32, (32000, 256)
@@ -97,7 +99,9 @@ def test_eager_tiles_fill_a_quarter_of_the_room_in_whole_pages(tmp_path, room):
         assert rows is None
         return
     assert rows is not None and rows % tiles.fewest_rows((32000, 256), 4) == 0
-    assert eager_tiles.tile_bytes(record, rows, "cpu") <= room // 2
+    assert -(-32000 // rows) <= eager_tiles.MOST_TILES
+    held = eager_tiles.tile_bytes(record, rows, "cpu")
+    assert held <= room // 2 or rows == 32000 // eager_tiles.MOST_TILES
     assert eager_tiles.tile_bytes(record, rows, "cuda") == rows * 256 * 4
     # on CUDA a tile computes alone, rounding unlike the whole: tiled only where it cannot fit even alone
     assert (eager_tiles.rows_per_eager_tile(record, room, "cuda") is None) == (record.footprint <= room)
