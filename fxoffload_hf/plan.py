@@ -1,6 +1,8 @@
 """The plan of a model without running it: capture on the meta device, partition, report.
 
-Shapes propagate through meta tensors, so nothing is allocated and no real compute runs.
+Shapes propagate through meta tensors, so nothing is allocated and no real compute runs. The report
+gives the smallest budget of the captured, streamed schedule and that of eager calls (``plan_eager``:
+the default, ``capture="deferred"``, runs a short answer that way).
 """
 
 from __future__ import annotations
@@ -12,9 +14,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from fxoffload_hf import plan_depth, tiles
-from fxoffload_hf.blocks import BlockRegions, region_counts
-from fxoffload_hf.capture import compile_entry
+from fxoffload_hf import plan_capture, tiles
 from fxoffload_hf.config import RESIDENT_THRESHOLD, BudgetSpec, counts_graph_state, parse_budgets
 from fxoffload_hf.graphs import activation_peak, call_inputs, only_row_lookups
 from fxoffload_hf.kv_cache import kv_cache_bytes
@@ -28,6 +28,7 @@ from fxoffload_hf.memory_model import (
     piece_bytes,
     window_bytes,
 )
+from fxoffload_hf.plan_eager import eager_floor
 from fxoffload_hf.planner import partition_for_budget
 from fxoffload_hf.reserved_cache import full_attention_only
 from fxoffload_hf.tradeoff import Bandwidths, Estimate, budgets_between, estimate
@@ -53,6 +54,8 @@ class PlanReport:
     blocks_reused: int = 0
     kv_cache_bytes: int = 0  # generate's cache at batch x seq_len (full attention)
     graph_state_bytes: int = 0  # host memory generate's two captured graphs hold (CPU budgets)
+    eager_budget: int | None = None  # the smallest budget of eager calls (None: they cannot be bounded)
+    eager_set_by: str = ""
     tradeoff: list[Estimate] = field(default_factory=list)
     error: str | None = None
 
@@ -77,7 +80,9 @@ class PlanReport:
             "step holds two)",
             *graphs,
             f"budget             {self.budget_name}={format_bytes(self.budget)}",
-            f"smallest budget    {format_bytes(self.smallest_budget)} (set by {self.floor_set_by})",
+            f"smallest budget    {format_bytes(self.smallest_budget)} (captured and streamed; set by "
+            f"{self.floor_set_by})",
+            self._eager_line(),
         ]
         if self.error:
             lines.append(f"cannot run         {self.error}")
@@ -89,6 +94,14 @@ class PlanReport:
             f"resident at most   {format_bytes(self.resident_bytes_max)} (kept in memory, the rest streams)",
         ]
         return "\n".join(lines + self._tradeoff_lines())
+
+    def _eager_line(self) -> str:
+        if self.eager_budget is None:
+            return f"eager calls        not bounded: {self.eager_set_by}"
+        return (
+            f'eager calls from   {format_bytes(self.eager_budget)} (the default, capture="deferred", runs calls '
+            f"eagerly from this budget on, until capture is worth its cost; set by {self.eager_set_by})"
+        )
 
     def _tradeoff_lines(self) -> list[str]:
         if not self.tradeoff:
@@ -104,50 +117,6 @@ class PlanReport:
                 f"{format_bytes(e.from_disk):>12} {e.tokens_per_second:>10.2f}"
             )
         return lines
-
-
-@dataclass(frozen=True)
-class MetaCapture:
-    graph: fx.GraphModule
-    example_inputs: list[Any]
-    blocks_traced: int  # repeated blocks dynamo traced, and those it stamped out from a trace
-    blocks_reused: int
-
-
-def capture_on_meta(model: torch.nn.Module, *inputs: Any, stamp_blocks: bool = True) -> MetaCapture:
-    """Capture ``model.forward`` once with meta inputs: the largest graph and its example inputs.
-
-    Repeated blocks are traced once (``blocks``) unless ``stamp_blocks`` is False.
-    """
-    captured: list[tuple[fx.GraphModule, list[Any]]] = []
-
-    def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
-        captured.append((gm, list(example_inputs)))
-        return gm.forward
-
-    regions = BlockRegions()
-    undo = regions.mark(model) if stamp_blocks else []
-    torch._dynamo.reset()
-    try:
-        compiled = compile_entry(model.forward, backend, regions, dynamic=False)
-        with torch.no_grad():
-            try:
-                compiled(*inputs, use_cache=False)
-            except Exception:
-                # a stamped-out block that does not fit its call (dynamo's reuse check is not airtight):
-                # meta tensors have no side effects, so capture again without the regions
-                if not regions.give_up():
-                    raise
-                captured.clear()
-                torch._dynamo.reset()
-                compiled(*inputs, use_cache=False)
-        traced, reused = region_counts()
-    finally:
-        torch._dynamo.reset()
-        for record in reversed(undo):
-            record.undo()
-    gm, example_inputs = max(captured, key=lambda c: len(c[0].graph.nodes))
-    return MetaCapture(gm, example_inputs, traced, reused)
 
 
 def plan_checkpoint(
@@ -199,12 +168,11 @@ def plan_config(
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(config).eval()
     ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
-    capture, names = _capture_shallow(config, model, ids) or _capture_deep(model, ids)
+    capture, names = plan_capture.shallow(config, model, ids) or plan_capture.deep(model, ids)
     gm, example_inputs = capture.graph, capture.example_inputs
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     weights: dict[fx.Node, int] = {}
     labels: dict[fx.Node, str] = {}
-    small = 0
     passed = set(call_inputs(gm.graph, set()))  # the ids: counted with the activations
     for node, value in zip(placeholders, example_inputs, strict=False):
         if not isinstance(value, torch.Tensor) or node in passed:
@@ -213,8 +181,7 @@ def plan_config(
         if isinstance(value, torch.nn.Parameter) and size >= RESIDENT_THRESHOLD:
             weights[node] = size
             labels[node] = names.get(id(value), node.name)
-        else:
-            small += size
+    small = _small_tensors(model)
     forward = activation_peak(gm.graph, set(weights))
     kv = kv_cache_bytes(config, batch, seq_len, _dtype_bytes(model))
     # generate: the prefill builds the cache beside its activations; a decode step at the last length
@@ -228,6 +195,7 @@ def plan_config(
     itemsize = _dtype_bytes(model)
     tileable = {w for w in sizes if sizes[w] and tiles.can_tile(w, shapes[w])}
     memory = MemoryModel.where_it_computes(device_type, gpu_budget, cpu_budget, small)
+    eager = eager_floor(model, ids, memory.fixed_bytes, device_type)
     # generate captures two graphs (prefill, decode), each about this one's size; the floor holds the
     # second's capture transient too (``MemoryModel.with_graph``), the steady state does not
     if device_type == "cpu" and counts_graph_state():
@@ -259,6 +227,8 @@ def plan_config(
         blocks_traced=capture.blocks_traced,
         blocks_reused=capture.blocks_reused,
         graph_state_bytes=memory.graph_bytes,
+        eager_budget=eager.budget,
+        eager_set_by=eager.set_by,
     )
     memory = memory.with_capture_reserve(0)
     held = memory.need()  # small tensors and the graphs' state, beside the activations
@@ -322,41 +292,13 @@ def _tile_for_room(
         sizes[weight] = 0 if only_row_lookups(weight) else sizes[weight]
 
 
-def _capture_deep(model: torch.nn.Module, ids: torch.Tensor) -> tuple[MetaCapture, dict[int, str]]:
-    """``model`` captured whole (repeated blocks stamped out by dynamo), and its weights' names."""
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    return capture_on_meta(model, ids), names
-
-
-def _capture_shallow(
-    config: Any, model: torch.nn.Module, ids: torch.Tensor
-) -> tuple[MetaCapture, dict[int, str]] | None:
-    """Where ``model``'s decoder layers are all alike: the model built with two of them, captured, and
-    its graph deepened to ``model``'s depth (``plan_depth``); None where that does not apply."""
-    import transformers as tf
-
-    layers = plan_depth.alike_layers(model)
-    shallow = plan_depth.shallow_config(config, plan_depth.TRACED_LAYERS) if layers else None
-    if layers is None or shallow is None:
-        return None
-    try:
-        with torch.device("meta"):
-            small = tf.AutoModelForCausalLM.from_config(shallow).eval()
-        if len(small.get_submodule(layers.path)) != plan_depth.TRACED_LAYERS:
-            return None
-        tensors = [
-            *small.named_parameters(remove_duplicate=False),
-            *small.named_buffers(remove_duplicate=False),
-        ]
-        names = {id(t): n for n, t in tensors}
-        capture = capture_on_meta(small, ids, stamp_blocks=False)
-        inputs = plan_depth.deepen(capture.graph, capture.example_inputs, names, layers)
-    except Exception:  # noqa: BLE001 - a config that does not shrink, a graph not deepened: capture it all
-        return None
-    if inputs is None:
-        return None
-    traced = plan_depth.TRACED_LAYERS
-    return MetaCapture(capture.graph, inputs, traced, layers.depth - traced), names
+def _small_tensors(model: torch.nn.Module) -> int:
+    """Bytes ``offload`` keeps on the compute device for good: the parameters below the streaming
+    threshold and every buffer (``api``), whether the graph uses them or not."""
+    params = {id(p): p for p in model.parameters()}.values()
+    small = sum(n for n in (nbytes(p.shape, p.element_size()) for p in params) if n < RESIDENT_THRESHOLD)
+    buffers = (b for m in model.modules() for b in m._buffers.values() if b is not None)
+    return small + sum(nbytes(b.shape, b.element_size()) for b in buffers)
 
 
 def _dtype_bytes(model: torch.nn.Module) -> int:

@@ -166,7 +166,10 @@ def test_demo_runs_on_a_small_checkpoint(tmp_path):
     assert _bytes(budget) == pytest.approx(0.25 * _bytes(size), rel=0.01)
     # the plan runs under the demo's budget, in several pieces
     assert _line(out, rf"budget +cpu_memory=({_SIZE})").group(1) == budget
-    assert _bytes(_line(out, rf"smallest budget +({_SIZE}) \(set by .+\)").group(1)) <= _bytes(budget)
+    assert _bytes(_line(out, rf"smallest budget +({_SIZE}) \(captured .+; set by .+\)").group(1)) <= _bytes(
+        budget
+    )
+    assert _bytes(_line(out, rf"eager calls from +({_SIZE}) \(the default, .+; set by .+\)").group(1)) > 0
     assert int(_line(out, r"pieces +(\d+) \(weights per piece .+\)").group(1)) >= 2
     # both runs decoded and were measured
     header = _line(out, r" +eager \(all in RAM\) +fxoffload")

@@ -7,8 +7,9 @@ import functools
 import pytest
 import transformers as tf
 
-from fxoffload_hf import plan as plan_module
-from fxoffload_hf.plan import capture_on_meta, plan_config
+from fxoffload_hf import plan_capture
+from fxoffload_hf.plan import plan_config
+from fxoffload_hf.plan_capture import capture_on_meta
 
 
 @pytest.mark.parametrize("layers", [20, 80])
@@ -63,9 +64,9 @@ def test_a_plan_from_two_layers_equals_the_plan_of_the_whole_capture(config, mon
         assert (shallow.blocks_traced, shallow.blocks_reused) == (1, layers - 1)
         return
     assert (shallow.blocks_traced, shallow.blocks_reused) == (2, layers - 2)
-    monkeypatch.setattr(plan_module, "_capture_shallow", lambda *args: None)
+    monkeypatch.setattr(plan_capture, "shallow", lambda *args: None)
     monkeypatch.setattr(
-        plan_module, "capture_on_meta", functools.partial(capture_on_meta, stamp_blocks=False)
+        plan_capture, "capture_on_meta", functools.partial(capture_on_meta, stamp_blocks=False)
     )
     whole = plan_config(config, device=device, seq_len=32, **budget)
     fields = (
