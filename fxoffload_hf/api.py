@@ -27,7 +27,7 @@ from fxoffload_hf.config import BudgetSpec, OffloadConfig
 from fxoffload_hf.eager_fallback import EagerWeights
 from fxoffload_hf.engine import Engine
 from fxoffload_hf.memory import free_host_memory, memory_limit, tensor_nbytes
-from fxoffload_hf.memory_model import MemoryModel, format_bytes
+from fxoffload_hf.memory_model import MemoryModel
 from fxoffload_hf.progress import stage
 from fxoffload_hf.safetensors_io import CheckpointError, TensorSlice
 from fxoffload_hf.undo import (
@@ -140,7 +140,7 @@ def offload(
         holders = _install_ghosts(large, store, config.device, undo)
         eager = _guard_modules(model, holders, engine, undo)
         if engine.deferring:
-            _defer_only_where_lends_fit(eager, holders, engine)
+            _tell_deferral_how_calls_are_lent(eager, holders, engine)
         _take_eager_code_paths(model, undo)
         undo.append(eager_paths.EagerPaths())
         # repeated blocks are not stamped out here (``blocks``): dynamo's reuse check let a wrong trace
@@ -336,24 +336,16 @@ def _guard_modules(
     return eager
 
 
-def _defer_only_where_lends_fit(eager: EagerWeights, holders: set[nn.Module], engine: Engine) -> None:
+def _tell_deferral_how_calls_are_lent(eager: EagerWeights, holders: set[nn.Module], engine: Engine) -> None:
     """Deferred capture runs calls eagerly, each module lent its weights whole (a plain projection too
-    large for that in tiles, ``eager_tiles``): where one module's do not fit the budget even so (a
-    projection with a forward of its own larger than it, streamed in tiles once captured), capture from
-    the first call instead. Tells the deferral how eager calls are lent weights, whole and in tiles."""
-    room = engine.memory.room(0)
-    if room is None or not holders:
+    large for that in tiles, ``eager_tiles``); a call that does not fit so is captured, and where its
+    capture is refused too the refusal names the budget eager calls need (``Deferral.or_eagerly``).
+    Tells the deferral how eager calls are lent weights, and where projections can go in tiles."""
+    if engine.memory.room(0) is None or not holders:
         return
-    deferral = engine.deferral
-    deferral.lending = smallest = eager.lending(tiled=False)
+    engine.deferral.lending = eager.lending(tiled=False)
     if eager.tile_rows:
-        deferral.tiles, smallest = eager.use_tiles, eager.lending(tiled=True)
-    if smallest.largest > room:
-        deferral.end(
-            f"capturing from the first call, not deferred: {smallest.largest_name} needs "
-            f"{format_bytes(smallest.largest)} whole in an eager call, more than the budget holds",
-            by_choice=False,
-        )
+        engine.deferral.tiles = eager
 
 
 # Module attributes that make a model take, only while dynamo compiles it, another algorithm than the

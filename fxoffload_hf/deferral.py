@@ -16,8 +16,9 @@ are let go: the captured schedule chooses its own from its profile.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, format_bytes
 from fxoffload_hf.progress import report
@@ -42,6 +43,18 @@ class Lending:
     keepable: Sequence[str] = ()
 
 
+class Tiles(Protocol):
+    """Projections eager calls can compute in tiles (``eager_fallback.EagerWeights``)."""
+
+    def lending_in_tiles(self, room: int) -> Lending:
+        """How calls would be lent weights with tiles sized for ``room`` bytes beside a call."""
+        ...
+
+    def use_tiles(self, room: int) -> Lending:
+        """Turn such tiles on; the lending then."""
+        ...
+
+
 class Deferral:
     """The deferred-capture state of one model's engine."""
 
@@ -56,10 +69,10 @@ class Deferral:
         self.counts_ram = counts_ram
         self.stats = stats
         self.lending = Lending()  # how eager calls are lent weights now
-        # where projections can be computed in tiles (``eager_tiles``): turns them on, sized for the room
-        # it is given beside a call, and gives the lending then; used only where a call would not fit
-        # as lent now (tiles compute the projection once per tile), and then kept (made smaller if need be)
-        self.tiles: Callable[[int], Lending] | None = None
+        # where projections can be computed in tiles (``eager_tiles``), sized for the room beside a call:
+        # turned on only by a call that does not fit as lent now and fits with them (tiles compute the
+        # projection once per tile), and then kept (made smaller if need be)
+        self.tiles: Tiles | None = None
         self.by_choice = False  # deferring ended for speed (cost or a block), not for the budget
         self.refused = False  # such a capture needed more than the budget: calls stay eager
         self.eager_floor: int | None = None  # the budget the eager call that ended deferring needed
@@ -83,8 +96,9 @@ class Deferral:
             self._largest_need = max(self._largest_need, need)
             activations = max(need, expected)
             beside = budget - self.memory.need(activations=activations)  # the room for weights
-            if self.tiles is not None and self.lending.largest > beside:
-                self.lending = self.tiles(beside)
+            tiles = self.tiles
+            if tiles is not None and self.lending.largest > beside >= tiles.lending_in_tiles(beside).largest:
+                self.lending = tiles.use_tiles(beside)
             room = beside - self.lending.largest
             room_to_keep = budget - self.memory.need(
                 activations=max(self._largest_need, expected),
@@ -92,12 +106,15 @@ class Deferral:
             )
             if self._fill(room, room_to_keep):
                 return True
-            self.eager_floor = self.memory.need(activations=activations, in_flight=self.lending.largest)
+            lent = self.lending.largest
+            if tiles is not None:  # the fewest bytes a call can be lent: projections in their smallest tiles
+                lent = min(lent, tiles.lending_in_tiles(0).largest)
+            self.eager_floor = self.memory.need(activations=activations, in_flight=lent)
         detail = (
             "its activations cannot be bounded from its inputs and the config"
             if need is None
             else f"its activations (at most {format_bytes(need)}) and the largest module's weights "
-            f"({format_bytes(self.lending.largest)}) do not fit {self.memory.budget_name}="
+            f"({self.lending.largest_name}: {format_bytes(self.lending.largest)}) do not fit {self.memory.budget_name}="
             f"{format_bytes(budget)} as eager code; the captured call streams them in pieces"
         )
         self.end(f"capturing from this call, not running it eagerly: {detail}", by_choice=False)

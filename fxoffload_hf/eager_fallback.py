@@ -100,6 +100,16 @@ class EagerWeights:
                 tiled.append(f"{name} ({-(-handle.record.shape[0] // rows)} tiles of {rows} rows)")
         self._tiled_names = tiled
 
+    def lending_in_tiles(self, room: int) -> Lending:
+        """How eager calls would be lent weights with tiles sized for ``room`` bytes for weights beside a
+        call (nothing changes)."""
+        rows, names = dict(self.tile_rows), self._tiled_names
+        try:
+            self.tile_projections(room)
+            return self.lending(tiled=True)
+        finally:
+            self.tile_rows, self._tiled_names = rows, names
+
     def use_tiles(self, room: int) -> Lending:
         """Compute the projections too large to lend whole beside ``room`` bytes for weights in tiles
         sized for it, from now on; how eager calls are lent weights then."""

@@ -10,6 +10,7 @@ import fxoffload_hf
 from fxoffload_hf import eager_tiles, tiles
 from fxoffload_hf.align import align_shards_in_place
 from fxoffload_hf.eager_memory import eager_call_bytes
+from fxoffload_hf.memory_model import BudgetTooSmallError
 from fxoffload_hf.safetensors_io import TensorSlice
 from fxoffload_hf.weight_record import WeightRecord
 
@@ -139,5 +140,58 @@ def test_a_head_is_lent_whole_while_calls_fit_and_in_tiles_from_the_first_that_d
         assert hooks.tiling and any(r.tile_of == "lm_head.weight" for r in engine.store.records.values())
         assert torch.equal(logits(model, short), logits(eager, short))
         assert hooks.tiling and engine.stats.eager_calls == 3 and engine.runners == []
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_a_call_that_does_not_fit_even_in_tiles_is_captured_and_leaves_them_off(
+    tmp_path, save_checkpoint, logits
+):
+    """Tiles are turned on only where they let the call run eagerly: a call whose bound alone fills the
+    budget is captured, and the projections stay lent whole for later eager calls."""
+    eager = save_checkpoint("llama-vocab-heavy", tmp_path)
+    wide = torch.randint(0, 32000, (2, 20), generator=torch.Generator().manual_seed(8))
+    budget = _TABLE // 3
+    assert eager_call_bytes(eager, (wide,), {}) > budget
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=budget, device="cpu", capture="deferred")
+    engine = fxoffload_hf.engine_of(model)
+    hooks = next(h for h in engine.memory_holders if hasattr(h, "tile_rows"))
+    try:
+        assert torch.equal(logits(model, wide), logits(eager, wide))
+        assert engine.stats.eager_calls == 0 and len(engine.runners) == 1 and not hooks.tiling
+    finally:
+        fxoffload_hf.restore(model)
+
+
+@pytest.mark.usefixtures("counted_graph_state")
+def test_a_refused_capture_names_the_budget_eager_calls_need_with_the_head_in_tiles(tmp_path, logits):
+    """Where neither an eager call nor its capture fits (eight layers' graph state), the refusal names the
+    smallest budget of eager calls, the head in its smallest tiles (an eighth), and a model given it runs
+    eagerly, exactly."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    eager = transformers.LlamaForCausalLM(config).eval()
+    eager.save_pretrained(tmp_path)
+    align_shards_in_place(tmp_path)
+    ids = torch.randint(1, 32000, (1, 16), generator=torch.Generator().manual_seed(9))
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="3MiB", device="cpu", capture="deferred")
+    try:
+        with pytest.raises(BudgetTooSmallError, match="to run its calls as eager code") as refused:
+            logits(model, ids)
+    finally:
+        fxoffload_hf.restore(model)
+    floor = refused.value.smallest_budget
+    assert floor < _TABLE // 2  # the head lent whole would need more
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=floor, device="cpu", capture="deferred")
+    engine = fxoffload_hf.engine_of(model)
+    hooks = next(h for h in engine.memory_holders if hasattr(h, "tile_rows"))
+    try:
+        assert torch.equal(logits(model, ids), logits(eager, ids))
+        assert engine.stats.eager_calls == 1 and engine.runners == [] and hooks.tiling
     finally:
         fxoffload_hf.restore(model)
