@@ -231,6 +231,25 @@ def assert_not_offloaded_fixture() -> Callable[[nn.Module, dict], None]:
     return assert_not_offloaded
 
 
+@pytest.fixture(scope="session")
+def deferred_refusal():
+    """``deferred_refusal(folder, budget, ids, match)``: the ``BudgetTooSmallError`` (matching ``match``)
+    that a causal LM from ``folder``, offloaded at ``budget`` with deferred capture, raises for ``ids``;
+    the model restored afterwards."""
+    from fxoffload_hf.memory_model import BudgetTooSmallError
+
+    def refusal(folder: Path, budget, ids: torch.Tensor, match: str) -> BudgetTooSmallError:
+        model = fxoffload_hf.from_pretrained(folder, cpu_memory=budget, device="cpu", capture="deferred")
+        try:
+            with pytest.raises(BudgetTooSmallError, match=match) as refused:
+                causal_logits(model, ids)
+        finally:
+            fxoffload_hf.restore(model)
+        return refused.value
+
+    return refusal
+
+
 @pytest.fixture
 def tile_holds(monkeypatch) -> list[str]:
     """The ways tiles came into their whole-shaped buffers, in order: "hold" (copied) or "hold_file"

@@ -11,7 +11,6 @@ import fxoffload_hf
 import fxoffload_hf.deferral
 from fxoffload_hf.eager_fallback import EagerFallbackWarning
 from fxoffload_hf.eager_memory import eager_call_bytes
-from fxoffload_hf.memory_model import BudgetTooSmallError
 from fxoffload_hf.planner import kept_bytes
 
 
@@ -244,20 +243,15 @@ def test_eager_calls_keep_what_the_budget_leaves_and_let_it_go_for_capture(
 
 @pytest.mark.usefixtures("counted_graph_state")
 def test_a_refusal_for_a_graphs_state_names_the_smaller_budget_eager_calls_need(
-    tmp_path, save_checkpoint, logits, monkeypatch
+    tmp_path, save_checkpoint, logits, monkeypatch, deferred_refusal
 ):
     """A tiny model's captured graph holds more host memory than its weights: where an eager call did
     not fit and its capture is refused, the refusal names the budget its eager calls need, and a model
     given that budget runs them eagerly and exactly."""
     eager = save_checkpoint("llama", tmp_path)
     batch = torch.randint(0, 1000, (4, 40), generator=torch.Generator().manual_seed(2))
-    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="2MiB", device="cpu", capture="deferred")
-    try:
-        with pytest.raises(BudgetTooSmallError, match="captured graphs' state") as refused:
-            logits(model, batch)
-    finally:
-        fxoffload_hf.restore(model)
-    floor, message = refused.value.smallest_budget, str(refused.value)
+    refused = deferred_refusal(tmp_path, "2MiB", batch, "captured graphs' state")
+    floor, message = refused.smallest_budget, str(refused)
     captured = int(message.split("pass cpu_memory=")[1].split()[0])
     assert f"or pass cpu_memory={floor} or more to run its calls as eager code" in message
     assert 2 * 2**20 < floor < captured  # the graph's state outweighs what the eager call needs

@@ -9,12 +9,17 @@ import torch
 import fxoffload_hf
 from fxoffload_hf import eager_tiles, tiles
 from fxoffload_hf.align import align_shards_in_place
+from fxoffload_hf.eager_fallback import EagerWeights
 from fxoffload_hf.eager_memory import eager_call_bytes
-from fxoffload_hf.memory_model import BudgetTooSmallError
 from fxoffload_hf.safetensors_io import TensorSlice
 from fxoffload_hf.weight_record import WeightRecord
 
 _TABLE = 32000 * 256 * 4  # the output head (and embedding table) of the vocabulary-heavy checkpoints
+
+
+def _eager_hooks(engine) -> EagerWeights:
+    """The hooks that lend an engine's model its weights in eager calls."""
+    return next(h for h in engine.memory_holders if isinstance(h, EagerWeights))
 
 
 def _generate(model, ids):
@@ -38,7 +43,7 @@ def test_a_head_too_large_to_lend_whole_runs_eagerly_in_tiles_bit_for_bit(tmp_pa
         assert all(torch.equal(a, b) for a, b in zip(got.scores, expected.scores, strict=True))
         engine = fxoffload_hf.engine_of(model)
         assert engine.runners == [] and engine.stats.eager_calls == 4 and engine.deferring
-        hooks = next(h for h in engine.memory_holders if hasattr(h, "tile_rows"))
+        hooks = _eager_hooks(engine)
         (head,) = hooks.tile_rows
         # a tile and its copy, not the whole head: an eighth at most (each tile computes the projection)
         assert hooks.lent_bytes(head) <= 2 * _TABLE // eager_tiles.MOST_TILES
@@ -132,7 +137,7 @@ def test_a_head_is_lent_whole_while_calls_fit_and_in_tiles_from_the_first_that_d
     budget = bound + _TABLE - 2 * 2**20  # the long call's bound and the whole head do not fit
     model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=budget, device="cpu", capture="deferred")
     engine = fxoffload_hf.engine_of(model)
-    hooks = next(h for h in engine.memory_holders if hasattr(h, "tile_rows"))
+    hooks = _eager_hooks(engine)
     try:
         assert torch.equal(logits(model, short), logits(eager, short))
         assert not hooks.tiling and not any(r.tile_of for r in engine.store.records.values())
@@ -155,7 +160,7 @@ def test_a_call_that_does_not_fit_even_in_tiles_is_captured_and_leaves_them_off(
     assert eager_call_bytes(eager, (wide,), {}) > budget
     model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=budget, device="cpu", capture="deferred")
     engine = fxoffload_hf.engine_of(model)
-    hooks = next(h for h in engine.memory_holders if hasattr(h, "tile_rows"))
+    hooks = _eager_hooks(engine)
     try:
         assert torch.equal(logits(model, wide), logits(eager, wide))
         assert engine.stats.eager_calls == 0 and len(engine.runners) == 1 and not hooks.tiling
@@ -164,7 +169,9 @@ def test_a_call_that_does_not_fit_even_in_tiles_is_captured_and_leaves_them_off(
 
 
 @pytest.mark.usefixtures("counted_graph_state")
-def test_a_refused_capture_names_the_budget_eager_calls_need_with_the_head_in_tiles(tmp_path, logits):
+def test_a_refused_capture_names_the_budget_eager_calls_need_with_the_head_in_tiles(
+    tmp_path, logits, deferred_refusal
+):
     """Where neither an eager call nor its capture fits (eight layers' graph state), the refusal names the
     smallest budget of eager calls, the head in its smallest tiles (an eighth), and a model given it runs
     eagerly, exactly."""
@@ -179,17 +186,11 @@ def test_a_refused_capture_names_the_budget_eager_calls_need_with_the_head_in_ti
     eager.save_pretrained(tmp_path)
     align_shards_in_place(tmp_path)
     ids = torch.randint(1, 32000, (1, 16), generator=torch.Generator().manual_seed(9))
-    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="3MiB", device="cpu", capture="deferred")
-    try:
-        with pytest.raises(BudgetTooSmallError, match="to run its calls as eager code") as refused:
-            logits(model, ids)
-    finally:
-        fxoffload_hf.restore(model)
-    floor = refused.value.smallest_budget
+    floor = deferred_refusal(tmp_path, "3MiB", ids, "to run its calls as eager code").smallest_budget
     assert floor < _TABLE // 2  # the head lent whole would need more
     model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=floor, device="cpu", capture="deferred")
     engine = fxoffload_hf.engine_of(model)
-    hooks = next(h for h in engine.memory_holders if hasattr(h, "tile_rows"))
+    hooks = _eager_hooks(engine)
     try:
         assert torch.equal(logits(model, ids), logits(eager, ids))
         assert engine.stats.eager_calls == 1 and engine.runners == [] and hooks.tiling
