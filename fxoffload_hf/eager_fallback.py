@@ -299,7 +299,7 @@ class EagerWeights:
         following = self._next.get(module)
         cached = self._groups.get(following) if following is not None else None
         if cached is not None:
-            self.store.files.read_ahead(cached[1])
+            self.store.read_ahead(cached[1])
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         # dynamo may trace a module's pre-hook and leave its post-hook to run eagerly (a graph break

@@ -6,8 +6,9 @@ capture from the first call, where graphs' state may not fit either. Its eager c
 captured graph computes a tiled projection (``tiles``): rows ``a:b`` of the weight at a time, each with
 ``tile_linear`` (on the CPU bit for bit as the whole projection; on CUDA each tile alone, and only where
 the weight cannot fit even alone, as in graphs). Each tile is lent as a stored weight is: mapped from its
-file where it lies, else read; the next tile's pages are read ahead while one computes. Tiles are the
-store's (``WeightStore.add_tile``), so a dtype change or a spill re-points them as it does a graph's.
+file where it lies, else read; the next tile's pages are read ahead while one computes (where the page
+cache keeps them: ``WeightStore.read_ahead``). Tiles are the store's (``WeightStore.add_tile``), so a
+dtype change or a spill re-points them as it does a graph's.
 """
 
 from __future__ import annotations
@@ -109,12 +110,12 @@ def _lent(
     ahead = _mapped_group(store, following, ghost) if following is not None else None
     if group is None:
         if ahead is not None:
-            store.files.read_ahead(ahead)
+            store.read_ahead(ahead)
         value = store.read(tile).to(ghost.device, ghost.dtype)
     else:
         store.files.acquire(group)
         if ahead is not None:
-            store.files.read_ahead(ahead)
+            store.read_ahead(ahead)
         value = group.views[0]
     if tile.requires_grad and not torch.is_grad_enabled():  # as ``EagerWeights.before`` lends weights
         value = value.detach().requires_grad_()

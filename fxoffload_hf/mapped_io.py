@@ -30,6 +30,7 @@ import torch
 
 from fxoffload_hf.safetensors_io import CheckpointError, TensorSlice, check_unchanged
 
+_MADV_RANDOM = 1
 _MADV_DONTNEED = 4
 _MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels get MADV_WILLNEED (asynchronous read-ahead)
 _MADV_WILLNEED = 3
@@ -158,7 +159,11 @@ class MappedFiles:
         view = torch.frombuffer(region, dtype=torch.uint8)
         # ask for 2 MiB folios: read from disk in large units, mapped and unmapped a page table at a time
         # (about twenty times less work per piece than 4 KiB pages); a hint, ignored where unsupported
-        _madvise(view.data_ptr(), view.numel(), _MADV_HUGEPAGE)
+        if _madvise(view.data_ptr(), view.numel(), _MADV_HUGEPAGE) == 0:
+            # and a fault reads its 2 MiB folio, no more: without this it also reads the next 2 MiB, and
+            # a plain fault up to the device's read-ahead (8 MiB seen) around it, pages of other weights
+            # that nothing holds or drops (under a memory limit: charged, and read again when used)
+            _madvise(view.data_ptr(), view.numel(), _MADV_RANDOM)
         return _Mapping(fd, view, inode)
 
     def group(self, sources: list[TensorSlice], fault_in: list[bool]) -> MappedGroup:

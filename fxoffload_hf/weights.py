@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from fxoffload_hf.mapped_io import MappedFiles
+from fxoffload_hf.mapped_io import MappedFiles, MappedGroup
 from fxoffload_hf.memory_model import format_bytes
 from fxoffload_hf.safetensors_io import TensorSlice, read_header, read_into
 from fxoffload_hf.weight_record import Tier, WeightRecord
@@ -231,6 +231,14 @@ class WeightStore:
     def movable(self, record: WeightRecord) -> bool:
         """Whether ``keep`` and ``evict`` apply: not a weight whose only copy is in RAM on a CPU run."""
         return record.host is None or self.device.type != "cpu"
+
+    def read_ahead(self, group: MappedGroup) -> None:
+        """Ask for ``group``'s pages in the background, where the page cache keeps pages after use; not
+        where they are dropped after each use (``drop_cache``): the kernel reads ahead in 4 KiB pages, not
+        the 2 MiB folios of a fault, and dropping a neighbour's pages then waits on them (eager decode
+        steps under a memory limit took 1.4x as long with it)."""
+        if not self.drop_cache:
+            self.files.read_ahead(group)
 
     def keep(self, name: str) -> None:
         """Keep ``name`` where the model computes from now on: on the CPU, a weight that can be used in

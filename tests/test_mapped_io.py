@@ -100,6 +100,46 @@ def test_pages_shared_with_a_weight_in_use_stay_mapped(tmp_path, monkeypatch):
     files.close()
 
 
+def _cached_bytes(path, offset: int, length: int) -> int:
+    """Bytes of ``path``'s pages in ``[offset, offset + length)`` that the page cache holds (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, flags=mmap.MAP_PRIVATE) as region:
+        base = torch.frombuffer(region, dtype=torch.uint8).data_ptr()
+        start, end = offset // mmap.PAGESIZE, -(-(offset + length) // mmap.PAGESIZE)
+        pages = (ctypes.c_ubyte * (end - start))()
+        assert libc.mincore(base + start * mmap.PAGESIZE, (end - start) * mmap.PAGESIZE, pages) == 0
+        return sum(p & 1 for p in pages) * mmap.PAGESIZE
+
+
+def test_a_fault_reads_no_pages_beyond_the_weight_it_serves(tmp_path):
+    # the kernel would read around a faulted page (up to the device's read-ahead, megabytes), pages of
+    # the weights after it that nothing holds or drops: faults read their own folio and no more
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.randn(MiB // 4), "b": torch.randn(15 * MiB // 4)}, path)
+    header = read_header(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    b = header["b"]
+    assert _cached_bytes(path, b.offset, b.nbytes) == 0, "the page cache did not let the file go"
+    files = MappedFiles()
+    group = files.group([header["a"]], [True])
+    files.acquire(group)
+    try:
+        # what a's 2 MiB folio covers of b at most (the kernel reads whole folios)
+        assert _cached_bytes(path, b.offset, b.nbytes) <= 2 * MiB
+    finally:
+        files.release_groups([group], drop_cache=True)
+        files.close()
+
+
 def test_writes_through_a_view_never_reach_the_file(shard):
     path, tensors = shard
     original = path.read_bytes()

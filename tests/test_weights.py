@@ -135,3 +135,19 @@ def test_held_bytes_counts_weights_used_in_place_by_the_2_mib_units_they_map_eac
         assert store.held_bytes([p, h]) == alone + h.footprint
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("drop_cache", [False, True])
+def test_pages_are_read_ahead_only_where_the_page_cache_keeps_them(checkpoint, drop_cache):
+    # under a memory limit (pages dropped after each use) the kernel's read-ahead reads 4 KiB pages
+    # that the next drop waits on: eager calls fault their pages in instead
+    _, slices = checkpoint
+    store = WeightStore(CPU, drop_cache=drop_cache)
+    try:
+        group = store.files.group([slices["a"]], [True])
+        asked: list = []
+        store.files.read_ahead = asked.append  # type: ignore[method-assign]
+        store.read_ahead(group)
+        assert asked == ([] if drop_cache else [group])
+    finally:
+        store.close()
