@@ -76,6 +76,9 @@ class Deferral:
         self.by_choice = False  # deferring ended for speed (cost or a block), not for the budget
         self.refused = False  # such a capture needed more than the budget: calls stay eager
         self.eager_floor: int | None = None  # the budget the eager call that ended deferring needed
+        # what the modules lent to the last eager call may hold at once: the one computing and the next,
+        # read ahead (``eager_read_ahead``); None: no limit
+        self.in_flight_room: int | None = 0
         self._kept: list[str] = []  # weights kept for eager calls, in the order kept
         self._largest_need = 0  # the largest bound of an eager call so far
         self._eager_seconds = 0.0
@@ -89,6 +92,7 @@ class Deferral:
             return False
         budget = self.memory.budget
         if budget is None:
+            self.in_flight_room = None
             return True
         if need is not None:
             # weights are kept for the largest call seen, so that a generate's prefill and decode steps do
@@ -101,10 +105,13 @@ class Deferral:
                 self.lending = tiles.use_tiles(beside)
             room = beside - self.lending.largest
             room_to_keep = budget - self.memory.need(
-                activations=max(self._largest_need, expected),
-                in_flight=max(self.lending.largest, self.lending.span),
+                activations=max(self._largest_need, expected), in_flight=self._lent_at_once()
             )
-            if self._fill(room, room_to_keep):
+            kept = self._fill(room, room_to_keep)
+            if kept is not None:
+                # the module lent now, and one read ahead in what keeping left (RAM not counted: no limit)
+                in_flight = self._lent_at_once() + max(room_to_keep - kept, 0)
+                self.in_flight_room = in_flight if self.counts_ram else None
                 return True
             lent = self.lending.largest
             if tiles is not None:  # the fewest bytes a call can be lent: projections in their smallest tiles
@@ -168,11 +175,15 @@ class Deferral:
         self._let_go(0)
         report("%s", why)
 
-    def _fill(self, room: int, room_to_keep: int) -> bool:
+    def _lent_at_once(self) -> int:
+        """What the module lent to an eager call can hold at most (its weights, or their mapped span)."""
+        return max(self.lending.largest, self.lending.span)
+
+    def _fill(self, room: int, room_to_keep: int) -> int | None:
         """Let go of the last kept weights first until those kept fit ``room`` bytes, keep more up to
-        ``room_to_keep``; whether the weights kept then fit ``room``."""
+        ``room_to_keep``; the bytes the weights kept then hold, None where they do not fit ``room``."""
         if not self.counts_ram:
-            return room >= 0
+            return 0 if room >= 0 else None
         held = self._let_go(room)
         for name in self.lending.keepable:
             record = self.store.records[name]
@@ -184,7 +195,7 @@ class Deferral:
                 self.store.keep(name)
                 self._kept.append(name)
                 held.add(record)
-        return held.total <= room
+        return held.total if held.total <= room else None
 
     def _let_go(self, room: int) -> HeldBytes:
         """Stop keeping the weights kept last until those kept fit ``room`` bytes; the bytes kept then."""

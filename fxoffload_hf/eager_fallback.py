@@ -29,6 +29,7 @@ from fxoffload_hf.capture import handle_of
 from fxoffload_hf.cohort import SharedLock
 from fxoffload_hf.deferral import Lending
 from fxoffload_hf.eager_forwards import EagerForward, LendsAfterBreak, reads_rows
+from fxoffload_hf.eager_read_ahead import ReadAhead
 from fxoffload_hf.eager_tiles import project_in_tiles, projects_by_rows, rows_per_eager_tile, tile_bytes
 from fxoffload_hf.loaders import ROWS_WHERE_THEY_LIE, Way, way_of
 from fxoffload_hf.mapped_io import MappedGroup
@@ -79,6 +80,11 @@ class EagerWeights:
         # the order modules were lent weights in: the next one's pages are read ahead while one computes
         self._next: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
         self._previous: weakref.ReferenceType[nn.Module] | None = None
+        # where pages are dropped after use, the next module's faulted in on a thread (deferred calls)
+        self.ahead = ReadAhead(store.files, store.drop_cache)
+        self._spans: dict[
+            nn.Module, tuple[object, int]
+        ] = {}  # ``lent_span`` per module, by what it depends on
         # projections that can be computed in tiles of rows (``eager_tiles``), and whether they are now
         self.tile_rows: dict[nn.Module, int] = {}
         self.tiling = False
@@ -213,7 +219,8 @@ class EagerWeights:
                 group = files.group(list(sources), fault_in)  # type: ignore[arg-type]
                 self._groups[module] = (sources, group)  # type: ignore[assignment]
             lent.mapped = group  # before acquire: a failed page read still gives its hold back
-            files.acquire(group)
+            if not self.ahead.take(module, group):
+                files.acquire(group)
             values.update(zip(in_place, group.views, strict=True))
         return [values[i] for i in range(len(ghosts))]
 
@@ -298,8 +305,19 @@ class EagerWeights:
         self._previous = weakref.ref(module)
         following = self._next.get(module)
         cached = self._groups.get(following) if following is not None else None
-        if cached is not None:
+        if cached is None:
+            return
+        assert following is not None
+        if not (self.ahead.wanted() and self.ahead.start(following, cached[1], self._span_now(module))):
             self.store.read_ahead(cached[1])
+
+    def _span_now(self, module: nn.Module) -> int:
+        """``lent_span`` of ``module``, kept while the weights' tiers and the tiles stay as they are."""
+        key = (self.store.version, self.tiling, self.tile_rows.get(module))
+        known = self._spans.get(module)
+        if known is None or known[0] != key:
+            known = self._spans[module] = (key, self.lent_span(module))
+        return known[1]
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         # dynamo may trace a module's pre-hook and leave its post-hook to run eagerly (a graph break

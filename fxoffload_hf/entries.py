@@ -120,10 +120,12 @@ def _run_eagerly(
     lent_before, warned = eager.lends, eager.warn
     start = time.perf_counter()
     eager.warn = False
+    eager.ahead.room = engine.deferral.in_flight_room
     engine.eager_depth += 1
     try:
         return original(*args, **kwargs)
     finally:
         engine.eager_depth -= 1
+        eager.ahead.stop()
         eager.warn = warned
         engine.deferral.ran_eagerly(time.perf_counter() - start, eager.lends - lent_before)
