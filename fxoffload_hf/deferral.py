@@ -172,6 +172,7 @@ class Deferral:
     def end(self, why: str, by_choice: bool) -> None:
         """Stop deferring (``why`` is logged): let go of the weights kept for eager calls."""
         self.on, self.by_choice = False, by_choice
+        self.in_flight_room = 0  # sized again by the next call that runs eagerly
         self._let_go(0)
         report("%s", why)
 
