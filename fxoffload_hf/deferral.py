@@ -62,6 +62,7 @@ class Deferral:
         self, on: bool, memory: MemoryModel, store: WeightStore, counts_ram: bool, stats: Stats
     ) -> None:
         self.on = on  # calls run eagerly (while they fit)
+        self.deferred_capture = on  # capture="deferred" was asked for
         self.memory = memory
         self.store = store
         # a CPU run sized by gpu_memory (as if a device had it) does not count the weights in RAM, and
@@ -168,6 +169,14 @@ class Deferral:
             "read at every call)",
             smallest_budget=floor,
         )
+
+    def resume(self, why: str) -> None:
+        """Defer again after deferring ended for the budget, where the call that ended it is given up and
+        run again holding less (a generate's KV cache moved to disk) and no graph was captured."""
+        if self.on or self.by_choice or not self.deferred_capture:
+            return
+        self.on = True
+        report("calls run eagerly again: %s", why)
 
     def end(self, why: str, by_choice: bool) -> None:
         """Stop deferring (``why`` is logged): let go of the weights kept for eager calls."""

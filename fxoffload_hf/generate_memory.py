@@ -184,6 +184,9 @@ def _with_cache_on_disk(
         KVCacheOnDiskWarning,
         stacklevel=3,
     )
+    if not engine.runners:
+        # the call that did not fit was given up: with the cache on disk its eager calls may fit again
+        engine.deferral.resume("generate starts again with its KV cache on disk")
     try:
         with on_disk(folder):
             return generate(*args, **kwargs)

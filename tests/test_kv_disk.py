@@ -112,3 +112,29 @@ def test_below_two_layers_it_is_refused_before_any_token(build_model, weight_byt
         assert fxoffload_hf.engine_of(model).stats.calls == 0
     finally:
         fxoffload_hf.restore(model)
+
+
+@pytest.mark.usefixtures("default_capture", "counted_graph_state")
+def test_a_deferred_generate_whose_cache_outgrows_eager_calls_starts_again_with_it_on_disk(
+    build_model, weight_bytes, tmp_path
+):
+    # eager calls fit while the cache is short; a later step's does not, and its capture does not fit
+    # either (graphs' state counted): the generate starts again with the cache on disk, eagerly again,
+    # instead of failing at that step
+    settings = {**LONG, "max_new_tokens": 300}
+    eager = _deep_llama(build_model)
+    ids = torch.randint(0, 1000, (1, 20), generator=torch.Generator().manual_seed(0))
+    expected = eager.generate(ids, **settings)
+    model = _deep_llama(build_model)
+    fxoffload_hf.offload(model, cpu_memory=int(weight_bytes(model) * 0.6), offload_folder=tmp_path)
+    engine = fxoffload_hf.engine_of(model)
+    try:
+        with pytest.warns(KVCacheOnDiskWarning):
+            got = model.generate(ids, **settings)
+        assert torch.equal(got.sequences, expected.sequences)
+        assert all(torch.equal(a, b) for a, b in zip(got.scores, expected.scores, strict=True))
+        assert all(layer._disk for layer in got.past_key_values.layers)
+        # no graph: the steps before the one that did not fit, then all of them again, eagerly
+        assert engine.runners == [] and engine.stats.eager_calls > 300 and engine.deferring
+    finally:
+        fxoffload_hf.restore(model)
