@@ -139,21 +139,31 @@ def counting_kv(model: nn.Module, generate: Callable[..., Any], engine: Engine) 
         try:
             engine.expect_activations(cache + built + step, what)
             return generate(*args, **kwargs)
-        except BudgetTooSmallError:
+        except BudgetTooSmallError as exc:
             # refused before the first token, or (where the prediction was short of a capture's
-            # measure) at a later step: the whole call again in micro-batches, where they fit
-            split = None
-            if engine.cohort is None:
-                split = split_generate(
-                    engine, generate, args, kwargs, call.settings, call.batch, cache, step, built
-                )
-            if split is not None:
-                return split
-            if not reserves(model, kwargs, call.settings) or engine.device.type != "cpu":
-                raise
-            return _with_cache_on_disk(model, generate, engine, args, kwargs, cache, step)
+            # measure) at a later step: the call is given up, and with it the frames of its steps (their
+            # caches and states), which the refusal's traceback would keep through the call run again
+            refusal = _without_frames(exc)
+        gc.collect()
+        # the whole call again in micro-batches, where they fit
+        split = None
+        if engine.cohort is None:
+            split = split_generate(
+                engine, generate, args, kwargs, call.settings, call.batch, cache, step, built
+            )
+        if split is not None:
+            return split
+        if not reserves(model, kwargs, call.settings) or engine.device.type != "cpu":
+            raise refusal
+        return _with_cache_on_disk(model, generate, engine, args, kwargs, cache, step)
 
     return run
+
+
+def _without_frames(error: BaseException) -> BaseException:
+    """``error`` with no traceback nor chained errors: nothing of the call that raised it is kept."""
+    error.__traceback__, error.__context__, error.__cause__ = None, None, None
+    return error
 
 
 def _with_cache_on_disk(
