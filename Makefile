@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-throughput bench-blocks bench-cold clean
+.PHONY: demo test lint typecheck bench bench-throughput bench-blocks bench-cold bench-long clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,10 @@ bench-blocks: $(STAMP)
 # load + the first generate in fresh processes: eager, accelerate, fxoffload first-call and deferred (about 3 minutes)
 bench-cold: $(STAMP)
 	$(PY) benchmarks/bench_cold_start.py
+
+# a KV cache that outgrows the budget: 1,000 new tokens under a memory limit, fxoffload and accelerate (about 10 minutes)
+bench-long: $(STAMP)
+	$(PY) benchmarks/bench_long_generation.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

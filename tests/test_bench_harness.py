@@ -370,3 +370,38 @@ def test_offload_targets_judge_each_fxoffload_mode_that_ran(capsys):
     names = [t["name"] for t in targets.offload_targets(free, {}, None, budget=200 * MiB)]
     assert {"decode tok/s fxoffload / eager", "decode tok/s fxoffload-deferred / eager"} <= set(names)
     capsys.readouterr()
+
+
+def test_long_generation_table_says_where_the_cache_went_and_compares_tokens():
+    from bench_long_generation import table
+
+    ok = {
+        "status": "ok",
+        "tok_s": 6.5,
+        "memory": {"peak_anon": 300 * MiB},
+        "cgroup": {"max_usage": 450 * MiB},
+    }
+    out = {
+        "runs": {
+            "fxoffload": {**ok, "tokens": [1, 2, 3], "kv_cache_on_disk": True},
+            "accelerate": {"status": "OOM-killed in measure", "cgroup": {"max_usage": 458 * MiB}},
+            "eager": {**ok, "tokens": [1, 2, 3], "kv_cache_on_disk": False},
+        }
+    }
+    lines = table(out, limit=458 * MiB)
+    fx, acc, eager = (line.split() for line in lines[2:])
+    assert fx[:5] == ["fxoffload", "458", "MiB", "6.50", "on"] and fx[-1] == "yes"
+    assert "OOM-killed" in acc and acc[-1] == "-"  # no tokens to compare
+    assert eager[1] == "none" and eager[-1] == "(itself)"
+    out["runs"]["fxoffload"]["tokens"] = [1, 2, 4]
+    assert table(out, limit=None)[2].split()[-1] == "NO"
+
+
+def test_long_generation_rises_are_over_the_loaded_model_against_the_budget():
+    from bench_long_generation import rises
+
+    memory = {"after_load": {"RssAnon": 250 * MiB}, "peak_anon": 265 * MiB}
+    out = {"runs": {"fxoffload": {"memory": memory}, "accelerate": {"status": "OOM-killed"}}}
+    assert rises(out, budget=30 * MiB) == [
+        "private memory rise over the loaded model: fxoffload 15 MiB (0.50 of the budget)"
+    ]
