@@ -20,10 +20,10 @@ from typing import Any
 
 from harness import disk, engine, measure, model, report, rounds, targets
 from harness.cgroup import MemoryCgroup, cgroups_writable
-from harness.children import ChildRun, build_once, limited_row, run_child, summarize
+from harness.children import ChildRun, build_once, limited_row, run_child, serve_child, summarize
 from harness.cpu import wait_for_idle
 from harness.protocol import emit, phase
-from harness.sampling import MemoryMarks, import_baseline
+from harness.sampling import MemoryMarks
 
 TIMELINE_ENV, TRACE_ENV = "FXOFFLOAD_BENCH_TIMELINE", "FXOFFLOAD_BENCH_TRACE"
 MODES = ("eager", "fxoffload", "accelerate")
@@ -165,24 +165,17 @@ def run_limited(args: argparse.Namespace, out: dict, rows: list, child_args: lis
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.child == "build":
-        emit(
-            {
-                "event": "built",
-                **model.build(args.model_dir, model.llama_config(args.size_gb, vocab=args.vocab)),
-            }
-        )
-        return 0
-    if args.child == "baseline":
-        emit({"event": "result", "memory": import_baseline(args.model_dir)})
-        return 0
-    if args.child:
-        child_run(args.child, args.model_dir, args.budget, args.new_tokens)
+    config = model.llama_config(args.size_gb, vocab=args.vocab)
+    if serve_child(
+        args.child,
+        args.model_dir,
+        config,
+        lambda mode: child_run(mode, args.model_dir, args.budget, args.new_tokens),
+    ):
         return 0
 
     args.wall = time.perf_counter()
     logs = args.out.parent / "logs"
-    config = model.llama_config(args.size_gb, vocab=args.vocab)
     if not build_once(
         SCRIPT,
         args.model_dir,

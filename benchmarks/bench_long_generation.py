@@ -24,10 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from harness import disk, engine, measure, model, report
-from harness.cgroup import cgroups_writable
-from harness.children import build_once, mode_row, run_child
+from harness.children import build_once, limit_baseline, mode_row, serve_child
 from harness.protocol import StepClock, emit, phase
-from harness.sampling import MemoryMarks, import_baseline
+from harness.sampling import MemoryMarks
 
 MiB = 2**20
 LIMIT_SLACK = 64 * MiB
@@ -123,16 +122,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def limit_of(args: argparse.Namespace, out: dict[str, Any], budget: int) -> int | None:
     """Import baseline + budget + 64 MiB, or None (why, in ``out``) where no cgroup can be made."""
-    why_not = cgroups_writable()
-    if why_not is None:
-        argv = ["--child", "baseline", "--model-dir", str(args.model_dir)]
-        base = run_child(SCRIPT, argv, 300, args.out.parent / "logs" / "long-baseline.log")
-        why_not = None if base.result is not None else "the baseline child failed"
-    if why_not is not None:
+    base, why_not = limit_baseline(SCRIPT, args.model_dir, args.out.parent / "logs" / "long-baseline.log")
+    if base is None:
         print(f"no memory limit: {why_not}; every mode runs without one", flush=True)
         out["limit_skipped"] = why_not
         return None
-    limit = base.result["memory"]["VmRSS"] + budget + LIMIT_SLACK
+    limit = base["VmRSS"] + budget + LIMIT_SLACK
     out["limit"] = {"bytes": limit, "formula": "import baseline VmRSS + budget + 64 MiB"}
     return limit
 
@@ -182,14 +177,7 @@ def _same(tokens: list[int] | None, expected: list[int] | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = model.llama_config(SIZE_GB, **CONFIG)
-    if args.child == "build":
-        emit({"event": "built", **model.build(args.model_dir, config)})
-        return 0
-    if args.child == "baseline":
-        emit({"event": "result", "memory": import_baseline(args.model_dir)})
-        return 0
-    if args.child:
-        child_run(args.child, args)
+    if serve_child(args.child, args.model_dir, config, lambda mode: child_run(mode, args)):
         return 0
 
     wall, logs = time.perf_counter(), args.out.parent / "logs"

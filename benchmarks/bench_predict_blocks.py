@@ -22,7 +22,7 @@ from typing import Any
 
 from harness import disk, model, report, rounds, targets
 from harness.cgroup import cgroups_writable
-from harness.children import build_once, mode_row, run_child
+from harness.children import build_once, mode_row, run_child, serve_child
 from harness.protocol import emit, phase
 from harness.sampling import MemoryMarks, import_baseline
 
@@ -158,14 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = model.llama_config(args.size_gb, vocab=args.vocab)
     modes = modes_of(args.block_sizes)
-    if args.child == "build":
-        emit({"event": "built", **model.build(args.model_dir, config)})
-        return 0
-    if args.child == "baseline":
-        emit({"event": "result", "memory": baseline_memory(args.model_dir)})
-        return 0
-    if args.child:
-        child_run(args.child, modes[args.child], args)
+    if serve_child(
+        args.child, args.model_dir, config, lambda mode: child_run(mode, modes[mode], args), baseline_memory
+    ):
         return 0
 
     wall, logs = time.perf_counter(), args.out.parent / "logs"

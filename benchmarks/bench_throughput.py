@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from harness import disk, engine, measure, model, report, rounds, targets
-from harness.cgroup import cgroups_writable
-from harness.children import build_once, mode_row, run_child
+from harness.children import build_once, limit_baseline, mode_row, serve_child
 from harness.cpu import BUSY_WARNING
 from harness.protocol import emit, phase
-from harness.sampling import MemoryMarks, import_baseline
+from harness.sampling import MemoryMarks
 
 MiB = 2**20
 LIMIT_SLACK = 128 * MiB
@@ -160,20 +159,18 @@ def child_argv(args: argparse.Namespace, budget: int) -> list[str]:
 def memory_limit(args: argparse.Namespace, out: dict[str, Any], budget: int, kv: int) -> int | None:
     """The hard limit of the runs under a limit (import baseline + budget + KV cache + slack), or None
     (and why, in ``out``) when there is none."""
-    why_not = cgroups_writable()
-    if why_not is None:
-        argv = ["--child", "baseline", "--model-dir", str(args.model_dir)]
-        base = run_child(SCRIPT, argv, 300, args.out.parent / "logs" / "throughput-baseline.log")
-        why_not = None if base.result is not None else "the baseline child failed"
-    if why_not is not None:
+    memory, why_not = limit_baseline(
+        SCRIPT, args.model_dir, args.out.parent / "logs" / "throughput-baseline.log"
+    )
+    if memory is None:
         print(f"no memory limit: {why_not}; every mode runs without one", flush=True)
         out["limit_skipped"] = why_not
         return None
-    baseline = base.result["memory"]["VmRSS"]
+    baseline = memory["VmRSS"]
     limit = baseline + budget + kv + LIMIT_SLACK
     out["limit"] = {
         "baseline_vmrss_bytes": baseline,
-        "baseline_memory": base.result["memory"],
+        "baseline_memory": memory,
         "kv_cache_bytes": kv,
         "limit_bytes": limit,
         "formula": "import baseline VmRSS + budget + KV cache of the batch + 128 MiB",
@@ -268,14 +265,7 @@ def notes(out: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = model.llama_config(args.size_gb)
-    if args.child == "build":
-        emit({"event": "built", **model.build(args.model_dir, config)})
-        return 0
-    if args.child == "baseline":
-        emit({"event": "result", "memory": import_baseline(args.model_dir)})
-        return 0
-    if args.child:
-        child_run(args.child, args)
+    if serve_child(args.child, args.model_dir, config, lambda mode: child_run(mode, args)):
         return 0
 
     wall, logs = time.perf_counter(), args.out.parent / "logs"

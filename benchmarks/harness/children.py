@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.cgroup import MemoryCgroup
+from harness import model
+from harness.cgroup import MemoryCgroup, cgroups_writable
 from harness.cpu import cpu_busy, other_cpu_share, wait_for_idle
-from harness.protocol import parse
+from harness.protocol import emit, parse
+from harness.sampling import import_baseline
 
 CHILD_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -160,9 +162,7 @@ def mode_row(
 def build_once(script: Path, model_dir: Path, config: dict[str, Any], argv: list[str], log: Path) -> bool:
     """Have ``script`` build the benchmark's model in ``model_dir`` (a child ``--child build`` with
     ``argv``) unless a copy of ``config`` is there; False, with the child's log printed, if it failed."""
-    from harness.model import model_is_cached
-
-    if model_is_cached(model_dir, config):
+    if model.model_is_cached(model_dir, config):
         return True
     print(f"building the model in {model_dir} ...", flush=True)
     model_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -171,3 +171,33 @@ def build_once(script: Path, model_dir: Path, config: dict[str, Any], argv: list
         print(f"building the model failed:\n{built.log_tail()}", file=sys.stderr)
         return False
     return True
+
+
+def serve_child(
+    child: str | None,
+    model_dir: Path,
+    config: dict[str, Any],
+    run: Callable[[str], None],
+    baseline: Callable[[Path], dict[str, int]] = import_baseline,
+) -> bool:
+    """Do what ``--child`` asks of a benchmark's own script: build the model of ``config`` in
+    ``model_dir``, measure the import ``baseline``, or ``run`` that mode; whether it was a child."""
+    if child is None:
+        return False
+    if child == "build":
+        emit({"event": "built", **model.build(model_dir, config)})
+    elif child == "baseline":
+        emit({"event": "result", "memory": baseline(model_dir)})
+    else:
+        run(child)
+    return True
+
+
+def limit_baseline(script: Path, model_dir: Path, log: Path) -> tuple[dict[str, int] | None, str | None]:
+    """The import baseline a memory limit adds to (``script --child baseline``'s memory), or why there
+    is no limit (cgroups not writable, or the child failed)."""
+    why_not = cgroups_writable()
+    if why_not is not None:
+        return None, why_not
+    base = run_child(script, ["--child", "baseline", "--model-dir", str(model_dir)], 300, log)
+    return (base.result["memory"], None) if base.result is not None else (None, "the baseline child failed")
