@@ -82,9 +82,8 @@ class EagerWeights:
         self._previous: weakref.ReferenceType[nn.Module] | None = None
         # where pages are dropped after use, the next module's faulted in on a thread (deferred calls)
         self.ahead = ReadAhead(store.files, store.drop_cache)
-        self._spans: dict[
-            nn.Module, tuple[object, int]
-        ] = {}  # ``lent_span`` per module, by what it depends on
+        # ``lent_span`` per module, with what it depends on (``_span_now``)
+        self._spans: dict[nn.Module, tuple[object, int]] = {}
         # projections that can be computed in tiles of rows (``eager_tiles``), and whether they are now
         self.tile_rows: dict[nn.Module, int] = {}
         self.tiling = False

@@ -51,25 +51,30 @@ class ReadAhead:
     def take(self, module: nn.Module, group: MappedGroup) -> bool:
         """Whether ``group`` is held for ``module``'s call now, read ahead (the caller releases it as its
         own); a pending read of another module's pages is let go."""
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is None:
             return False
         owner, held, done = pending
         failed = done.exception() is not None  # waits; a failed read is retried (and raised) by the caller
         if not failed and owner() is module and held is group:
+            self._pending = None
             self.served += 1
             return True
-        self.files.release_groups([held], self.drop_cache)
+        self._let_go()
         return False
 
     def stop(self) -> None:
         """Let go of a pending read and its thread; nothing is read ahead until ``room`` is set again."""
-        self.take(_NOBODY, _NO_GROUP)
+        self._let_go()
         self.room = 0
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-
-_NOBODY = nn.Module()
-_NO_GROUP = MappedGroup([], [], [], [], {})
+    def _let_go(self) -> None:
+        """Give back the pending read's hold once it finished (its units are held before its pages are read,
+        so a failed read gives them back too)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[2].exception()  # waits
+            self.files.release_groups([pending[1]], self.drop_cache)
