@@ -136,7 +136,12 @@ def load_model(mode: str, model_dir: Path, budget: int, offload_dir: Path) -> An
         # whose short jobs run as eager calls within the budget
         capture = "first-call" if mode == "fxoffload" else "deferred"
         return fxoffload_hf.from_pretrained(
-            model_dir, offload="fx", cpu_memory=budget, device="cpu", capture=capture
+            model_dir,
+            offload="fx",
+            cpu_memory=budget,
+            device="cpu",
+            capture=capture,
+            offload_folder=offload_dir,
         )
     if mode == "accelerate":
         return transformers.AutoModelForCausalLM.from_pretrained(
