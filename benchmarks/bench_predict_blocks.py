@@ -67,11 +67,8 @@ def child_run(key: str, block: int | None, args: argparse.Namespace) -> None:
             return self.model(input_ids=batch[0]).logits[:, -1]
 
     def predict(lm: Any, batches: list[Any]) -> list[Any]:
-        callbacks = (
-            []
-            if block is None
-            else [FxOffloadCallback(target="model", batches_per_block=block, capture="first-call")]
-        )
+        # the model was offloaded with its capture mode by ``load_model``: the callback takes none
+        callbacks = [] if block is None else [FxOffloadCallback(target="model", batches_per_block=block)]
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=1,
