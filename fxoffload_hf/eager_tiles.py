@@ -24,6 +24,7 @@ from fxoffload_hf.capture import handle_of
 from fxoffload_hf.loaders import Way, way_of
 from fxoffload_hf.mapped_io import MappedGroup
 from fxoffload_hf.tiles import (
+    ROW_GROUP,
     copied_to_compute,
     fewest_rows,
     rows_per_tile,
@@ -37,8 +38,9 @@ from fxoffload_hf.weights import WeightStore
 # a tile takes at most this share of the room for weights (held twice on the CPU while it computes), as a
 # graph's tiles do: the room left keeps other weights for eager calls
 _TILE_SHARE = 4
-# and an eager call cuts a weight into at most this many tiles: each computes the whole projection, so a
-# call that needs smaller ones is captured instead (its pieces stream beside the compute)
+# and an eager call cuts a weight into at most this many tiles: a tile computes the whole projection until
+# its shape is seen to compute alone exactly (``tile_products``), so a call that needs smaller ones is
+# captured instead (its pieces stream beside the compute)
 MOST_TILES = 8
 
 
@@ -64,8 +66,10 @@ def tile_rows_for(
     bytes whole (``plan`` asks without a store)."""
     if footprint <= too_large_for(room, device_type):
         return None
-    step = fewest_rows(shape, itemsize)
-    fewest = -(-shape[0] // MOST_TILES // step) * step or step  # whole pages, at most MOST_TILES tiles
+    group = math.lcm(fewest_rows(shape, itemsize), ROW_GROUP)
+    fewest = (
+        -(-shape[0] // MOST_TILES // group) * group
+    )  # whole pages and row groups, MOST_TILES tiles at most
     rows = max(rows_per_tile(shape, itemsize, room // _TILE_SHARE), fewest)
     return rows if rows < shape[0] else None
 

@@ -2,15 +2,12 @@
 
 A projection ``linear(x, W)`` whose weight cannot stream beside its neighbour (an output head of a large
 vocabulary, a fused projection) is split along its output rows into tiles, each a weight of its own that
-streams like any other. Splitting the rows keeps each output element's sum whole, but not its rounding on
-every BLAS: MKL picks how it splits the work (the reduction among threads, pairs of rows in a
-matrix-vector product) by the shape of the call, so ``linear(x, W[a:b])`` can differ from the rows
-``a:b`` of ``linear(x, W)`` in the last bit. So each tile is computed with the whole weight's shape: its
-rows put into a buffer shaped like the whole weight whose other rows read as zeros and take no memory
-(``tile_buffer``), the call made as eager makes it, and the tile's output columns kept. The copy is the
-tile's cost in memory (``WeightRecord.footprint`` counts it), and each tile's call computes as much as
-the whole projection (cheap beside the stream for one token; a long prompt's full logits take as many
-times the compute as there are tiles).
+streams like any other; the projection becomes a chain of tile products (``tile_products``), each
+exact in its columns. On the CPU a tile's product is computed with the whole weight's shape until the
+tile alone is seen to round the same (``tile_linear``), so a tile is counted as held twice (its copy in
+the whole-shaped buffer: ``WeightRecord.footprint``). Tiles take their rows in multiples of
+``ROW_GROUP`` where they can: MKL's kernels take rows in groups, and tiles that start and end on a
+group's edge compute alone as the whole does.
 
 On CUDA a device buffer has no shared zero page: each tile is computed alone (``tile_linear_alone``),
 as its own product of the tile's rows. cuBLAS too picks its kernel by shape, so there a tiled projection
@@ -23,7 +20,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +28,10 @@ from torch import fx
 
 from fxoffload_hf.capture import ghost_for
 from fxoffload_hf.graphs import GraphFacts, activation_peak, is_row_lookup, traced_value, value_bytes
-from fxoffload_hf.mapped_io import file_position
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
 from fxoffload_hf.planner import sizes_for_budget
 from fxoffload_hf.progress import report
-from fxoffload_hf.tile_buffer import whole_shaped
+from fxoffload_hf.tile_products import TileOp, tile_linear, tile_linear_alone
 from fxoffload_hf.weight_record import WeightRecord
 from fxoffload_hf.weights import WeightStore
 
@@ -67,6 +63,11 @@ def describe(node: fx.Node) -> str:
     return f"`{name}` ({node.op.replace('_', ' ')})"
 
 
+# rows a tile takes in multiples of, where it can (MKL here takes a matrix-vector product's rows in pairs:
+# an odd tile rounds its last row apart; a group of 16 leaves room for wider kernels)
+ROW_GROUP = 16
+
+
 def fewest_rows(shape: Sequence[int], itemsize: int) -> int:
     """The rows of a weight of ``shape`` that fill whole pages: tiles take multiples of them, so a tile's
     buffer pages can be given back after its call."""
@@ -75,9 +76,12 @@ def fewest_rows(shape: Sequence[int], itemsize: int) -> int:
 
 def rows_per_tile(shape: Sequence[int], itemsize: int, target_bytes: int) -> int:
     """How many rows a tile of a weight of ``shape`` takes to stay within ``target_bytes``: a multiple of
-    ``fewest_rows`` (0 if even those do not fit), all of them at most."""
+    ``fewest_rows`` (0 if even those do not fit), and of ``ROW_GROUP`` where the target holds one, all
+    of them at most."""
     step = fewest_rows(shape, itemsize)
-    rows = max(target_bytes, 0) // (math.prod(shape[1:]) * itemsize) // step * step
+    rows = max(target_bytes, 0) // (math.prod(shape[1:]) * itemsize)
+    group = math.lcm(step, ROW_GROUP)
+    rows = rows // group * group if rows >= group else rows // step * step
     return min(rows, shape[0])
 
 
@@ -288,73 +292,3 @@ def extra_activation_bytes(weight: fx.Node) -> int:
     return max(
         (value_bytes(traced_value(u)) for u in weight.users if _is_projection_of(u, weight)), default=0
     )
-
-
-def _page_aligned_position(tile: torch.Tensor, shape: tuple[int, ...], start: int) -> tuple[int, int] | None:
-    """The file and offset of ``tile``'s rows, where they can be mapped into a whole-shaped buffer with no
-    copy: a contiguous view of its checkpoint file, its rows starting on a page boundary of the weight
-    (tiles are cut in whole pages), the weight 16-byte aligned (as eager's, for ATen's kernels)."""
-    position = file_position(tile) if tile.is_contiguous() else None
-    if position is None:
-        return None
-    row_bytes = math.prod(shape[1:]) * tile.element_size()
-    weight_start = position[1] - start * row_bytes
-    if (start * row_bytes) % _PAGE or weight_start % 16:
-        return None
-    return position
-
-
-@torch.compiler.disable
-def tile_linear(
-    x: torch.Tensor,
-    tile: torch.Tensor,
-    bias: torch.Tensor | None,
-    start: int,
-    rows: int,
-    filled: torch.Tensor | None,
-) -> torch.Tensor:
-    """``linear(x, W, bias)`` for a ``W`` of ``rows`` rows of which only ``tile`` (its rows from ``start``)
-    is given: exact in the tile's columns. The first tile's call returns its whole output; each later
-    one copies its columns into that output (``filled``) and returns it."""
-    shape = (rows, *tile.shape[1:])
-    stop = start + tile.shape[0]
-    in_file = _page_aligned_position(tile, shape, start)
-    buffer = whole_shaped(shape, tile.dtype, 0 if in_file is None else in_file[1] % _PAGE)
-    with buffer.lock:
-        held = buffer.hold(start, stop) if in_file is None else buffer.hold_file(start, stop, *in_file)
-        try:
-            whole = buffer.tensor
-            if in_file is None:
-                whole[start:stop].copy_(tile)
-            if tile.requires_grad:  # the flag picks some of ATen's kernels: see ``loaders.as_parameters``
-                whole = whole.detach().requires_grad_()
-            out = torch.nn.functional.linear(x, whole, bias)
-        finally:
-            buffer.release(*held, last=stop == rows)
-    if filled is None:
-        return out
-    filled[..., start:stop] = out[..., start:stop]
-    return filled
-
-
-@torch.compiler.disable
-def tile_linear_alone(
-    x: torch.Tensor,
-    tile: torch.Tensor,
-    bias: torch.Tensor | None,
-    start: int,
-    rows: int,
-    filled: torch.Tensor | None,
-) -> torch.Tensor:
-    """As ``tile_linear``, with the tile's rows as a product of their own (CUDA: no whole-shaped buffer)."""
-    stop = start + tile.shape[0]
-    out = torch.nn.functional.linear(x, tile, None if bias is None else bias[start:stop])
-    if filled is None:
-        filled = out.new_empty(*out.shape[:-1], rows)
-    filled[..., start:stop] = out
-    return filled
-
-
-TileOp = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor | None, int, int, torch.Tensor | None], torch.Tensor
-]

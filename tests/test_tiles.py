@@ -4,6 +4,7 @@ models with a vocabulary large against their hidden size at 5-15% of their weigh
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 
@@ -58,13 +59,19 @@ def test_a_tiles_pages_are_given_back() -> None:
 
 
 @pytest.mark.parametrize(("cols", "itemsize"), [(256, 4), (1000, 2), (3, 4), (8192, 2)])
-@pytest.mark.parametrize("target", [0, 5000, 2**20, 2**30])
+@pytest.mark.parametrize("target", [0, 5000, 70_000, 2**20 + 4096, 2**30])
 def test_rows_per_tile_fills_whole_pages_within_the_target(cols: int, itemsize: int, target: int) -> None:
     rows = tiles.rows_per_tile((100_000, cols), itemsize, target)
     row_bytes = cols * itemsize
     assert rows * row_bytes % mmap.PAGESIZE == 0 or rows == 100_000
     assert rows * row_bytes <= target or rows == 0
-    assert (rows + tiles.fewest_rows((100_000, cols), itemsize)) * row_bytes > target or rows == 100_000
+    # the most rows within the target, in whole row groups where one fits (``ROW_GROUP``)
+    step = math.lcm(tiles.fewest_rows((100_000, cols), itemsize), tiles.ROW_GROUP)
+    fits_a_group = step * row_bytes <= target
+    if not fits_a_group:
+        step = tiles.fewest_rows((100_000, cols), itemsize)
+    assert rows % step == 0 or rows == 100_000
+    assert (rows + step) * row_bytes > target or rows == 100_000
 
 
 def test_tile_records_point_into_their_weight(tmp_path) -> None:
