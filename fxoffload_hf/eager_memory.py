@@ -8,18 +8,23 @@ intermediate states; its attention scores (batch x heads x queries x keys, in fp
 their softmax) where the kernel materialises them; the KV cache it is passed and the one it builds; and
 the output head's logits at the kept positions (in fp32, twice: Transformers upcasts them). The bound
 counts all of it generously: it gates, it does not plan, and a bound too high only costs a call the wait
-for capture. A call it cannot read (no config, inputs other than token ids, routed experts) has no
-bound, and is captured.
+for capture. Routed experts add, per token and expert it is routed to, the token's states and its
+expert's intermediate states, and the router's logits over all experts; only where their eager code
+computes on views of the stacked expert weights: Transformers' experts modules with the ``eager`` or
+``grouped_mm`` implementation on the CPU (measured: ``batched_mm`` gathers a copy of an expert's weights
+for every routed token), in models whose other layers are attention layers. A call it cannot read (no config, inputs other than token ids, experts outside
+those) has no bound, and is captured.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
-from fxoffload_hf.kv_cache import kv_cache_bytes, text_config
+from fxoffload_hf.kv_cache import cache_positions, kv_cache_bytes, text_config
 from fxoffload_hf.reserved_cache import disk_resident_bytes
 
 # arguments that do not change what a decoder's call holds (beside the token ids and the cache)
@@ -34,14 +39,26 @@ _SHAPE_FREE = {
 }
 _TOKEN_INPUTS = ("input_ids", "decoder_input_ids")  # an encoder-decoder's: both computed in one call
 _CACHES = ("cache", "past_key_values")  # Transformers 5.25's name for the cache argument, and earlier ones'
-# the MLP's intermediate width under the names configs give it; the counts of routed experts
+# the MLP's intermediate width under the names configs give it; the counts of routed experts, the experts
+# each token is routed to, and an expert's intermediate width
 _INNER_WIDTHS = ("intermediate_size", "ffn_dim", "n_inner", "d_ff")
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_EXPERTS_PER_TOKEN = ("num_experts_per_tok", "num_selected_experts", "moe_topk", "moe_k", "top_k")
+_EXPERT_WIDTHS = ("moe_intermediate_size", "expert_intermediate_size", *_INNER_WIDTHS)
+# Transformers' experts implementations whose code computes on views of the stacked weights on the CPU
+_VIEWING_EXPERTS = frozenset({"eager", "grouped_mm"})
+# per model: the configs of its experts modules, or None where a stacked weight lies outside them
+_experts_of: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], set[str]] | None] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def eager_call_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    """A bound on what ``model(*args, **kwargs)`` holds beside its weights when run eagerly; None where
-    the call or the config cannot be read."""
+def eager_call_bytes(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], device_type: str | None = None
+) -> int | None:
+    """A bound on what ``model(*args, **kwargs)`` holds beside its weights when run eagerly on
+    ``device_type`` (where its parameters lie unless given: ``plan`` builds on the meta device); None
+    where the call or the config cannot be read."""
     config = getattr(model, "config", None)
     inputs = _named_inputs(args, kwargs)
     if config is None or inputs is None:
@@ -51,12 +68,15 @@ def eager_call_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     lengths = _token_lengths(inputs)
     cache = next((inputs[n] for n in _CACHES if inputs.get(n) is not None), None)
     past = _cached_positions(cache)
-    if lengths is None or past is None or not (hidden and heads and vocab) or _has_experts(text):
+    if lengths is None or past is None or not (hidden and heads and vocab):
         return None
     batch, tokens, decoded = lengths
     keys = past + tokens
     itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
-    per_token = (12 * hidden + 4 * _inner_width(text, hidden)) * itemsize
+    routed = _routed_bytes(model, text, hidden, itemsize, device_type)
+    if routed is None:
+        return None
+    per_token = (12 * hidden + 4 * _inner_width(text, hidden)) * itemsize + routed
     scores = 2 * batch * heads * tokens * keys * 4
     logits = 2 * batch * _kept_positions(inputs.get("logits_to_keep"), decoded) * vocab * 4
     on_disk = disk_resident_bytes(cache)  # a cache kept on disk has about two layers in memory
@@ -116,10 +136,56 @@ def _inner_width(text: Any, hidden: int) -> int:
     return max((_int(text, name) for name in _INNER_WIDTHS), default=0) or 4 * hidden
 
 
-def _has_experts(text: Any) -> bool:
-    """Whether the config names routed experts: their eager code may copy stacked expert weights (a
-    grouped or transposed product), which no config bound sees; a captured graph measures it."""
-    return any(_int(text, name) > 1 for name in _EXPERT_COUNTS)
+def _routed_bytes(
+    model: nn.Module, text: Any, hidden: int, itemsize: int, device_type: str | None
+) -> int | None:
+    """What routed experts add per token beside the dense bound (0 without them); None where their eager
+    code may copy expert weights (``_experts_compute_on_views``)."""
+    experts = max(_int(text, name) for name in _EXPERT_COUNTS)
+    if experts <= 1:
+        return 0
+    # layers other than attention beside the experts (linear attention's states, state-space layers)
+    if cache_positions(model.config, 1) is None or not _experts_compute_on_views(model, device_type):
+        return None
+    per_token = max((_int(text, name) for name in _EXPERTS_PER_TOKEN), default=0) or experts
+    width = max(_int(text, name) for name in _EXPERT_WIDTHS) or 4 * hidden
+    # each routed copy of the token: its states, its expert's gate, up and activation states, and the
+    # expert's output, twice over; the router's logits and probabilities (fp32) and the routing indices
+    states = 2 * per_token * (2 * hidden + 3 * width) * itemsize
+    return states + 2 * experts * 4 + 4 * per_token * 8
+
+
+def _experts_compute_on_views(model: nn.Module, device_type: str | None) -> bool:
+    """Whether every stacked (3-D or more) weight of ``model`` belongs to a Transformers experts module
+    whose implementation computes on views of it, on the CPU (``_VIEWING_EXPERTS``)."""
+    if model not in _experts_of:
+        _experts_of[model] = _experts_configs(model)
+    found = _experts_of[model]
+    if found is None:
+        return False
+    configs, devices = found
+    on = {device_type} if device_type is not None else devices
+    return on <= {"cpu"} and all(
+        getattr(config, "_experts_implementation", None) in _VIEWING_EXPERTS for config in configs
+    )
+
+
+def _experts_configs(model: nn.Module) -> tuple[tuple[Any, ...], set[str]] | None:
+    """The configs of ``model``'s experts modules (Transformers' ``use_experts_implementation``: they
+    carry ``is_transposed``) and the devices of their weights, or None where a stacked weight lies
+    outside them."""
+    configs: list[Any] = []
+    devices: set[str] = set()
+    for module in model.modules():
+        stacked = [p for p in module.parameters(recurse=False) if p.dim() > 2]
+        if not stacked:
+            continue
+        config = getattr(module, "config", None)
+        if not hasattr(module, "is_transposed") or config is None:
+            return None
+        configs.append(config)
+        devices.update(p.device.type for p in stacked)
+    return tuple(configs), devices
 
 
 def _cached_positions(cache: Any) -> int | None:

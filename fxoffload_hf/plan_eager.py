@@ -43,7 +43,7 @@ class _Lent:
 def eager_floor(model: nn.Module, ids: torch.Tensor, fixed: int, device_type: str) -> EagerFloor:
     """The smallest budget at which ``model(ids)`` runs eagerly on ``device_type``, beside ``fixed`` bytes
     of small tensors (and no captured graph)."""
-    bound = eager_call_bytes(model, (ids,), {})
+    bound = eager_call_bytes(model, (ids,), {}, device_type)
     if bound is None:
         return EagerFloor(None, "its calls cannot be bounded from the config and inputs: they are captured")
     rest = f"{format_bytes(bound)} of the call's activations and KV cache + {format_bytes(fixed)} of small tensors"

@@ -111,8 +111,10 @@ def test_deferred_capture_gives_way_where_a_module_cannot_be_lent_whole(logits):
         fxoffload_hf.restore(model)
 
 
-def test_by_default_a_short_answer_runs_eagerly_and_exactly(tmp_path, save_checkpoint, default_capture):
-    eager = save_checkpoint("llama", tmp_path)
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_by_default_a_short_answer_runs_eagerly_and_exactly(arch, tmp_path, save_checkpoint, default_capture):
+    """Dense and routed experts alike (Transformers' experts compute on views of their stacked weights)."""
+    eager = save_checkpoint(arch, tmp_path)
     ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(5))
     expected = _generate(eager, ids)
     half = sum(p.numel() * p.element_size() for p in eager.parameters()) // 2

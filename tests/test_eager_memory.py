@@ -65,8 +65,15 @@ def test_calls_the_bound_cannot_read_have_none(build_model, checkpoint_config):
     assert eager_call_bytes(llama, (ids, ids), {}) is None
     assert eager_call_bytes(llama, (ids[0],), {}) is None  # not a batch of token ids
     assert eager_call_bytes(build_model("mlp"), (torch.ones(2, 256),), {}) is None  # no config
-    # routed experts may copy their stacked weights in eager code: captured, where that is measured
-    mixtral = transformers.MixtralForCausalLM(checkpoint_config("mixtral"))
+    # routed experts whose eager code copies expert weights (batched_mm gathers one per routed token), a
+    # stacked weight outside Transformers' experts modules: captured, where what they hold is measured
+    config = checkpoint_config("mixtral")
+    assert eager_call_bytes(transformers.MixtralForCausalLM(config), (ids,), {}) is not None
+    config._experts_implementation = "batched_mm"
+    assert eager_call_bytes(transformers.MixtralForCausalLM(config), (ids,), {}) is None
+    config._experts_implementation = "grouped_mm"
+    mixtral = transformers.MixtralForCausalLM(config)
+    mixtral.model.norm.register_parameter("stacked", torch.nn.Parameter(torch.zeros(2, 2, 2)))
     assert eager_call_bytes(mixtral, (ids,), {}) is None
 
 
@@ -82,3 +89,57 @@ def test_the_bound_grows_with_the_batch_and_the_cache(build_model):
     later = eager_call_bytes(llama, (), {"input_ids": step, "past_key_values": cache})
     first = eager_call_bytes(llama, (step,), {})
     assert later is not None and first is not None and later > first
+
+
+def _eager_peak(model: torch.nn.Module, *args, **kwargs) -> int:
+    """The most bytes of tensors ``model(*args, **kwargs)`` allocated at once (those alive before it not
+    counted), from the CPU allocator's events: copies inside a kernel included."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action, MemoryProfileTimeline
+
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        model(*args, **kwargs)
+    live = peak = 0
+    for _time, action, _tensor, size in MemoryProfileTimeline(prof._memory_profile()).timeline:
+        live += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
+        peak = max(peak, live)
+    return peak
+
+
+def _moe(arch: str, checkpoint_config) -> torch.nn.Module:
+    small = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}
+    if arch == "mixtral":
+        config = checkpoint_config("mixtral")
+    elif arch == "qwen3_moe":  # many experts, several per token, a width of their own
+        config = transformers.Qwen3MoeConfig(
+            hidden_size=128, intermediate_size=256, moe_intermediate_size=96, num_experts=16,
+            num_experts_per_tok=4, **small,
+        )  # fmt: skip
+    else:  # gpt_oss: stacked weights stored transposed, with biases
+        config = transformers.GptOssConfig(
+            hidden_size=128, intermediate_size=128, num_local_experts=8, **small
+        )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_the_bound_covers_what_routed_experts_hold_eagerly(arch, checkpoint_config):
+    """Measured from the allocator (copies inside kernels too), for Transformers' default experts
+    implementation and its eager one: prefills of a batch, and a decode step with its cache."""
+    for implementation in ("grouped_mm", "eager"):
+        model = _moe(arch, checkpoint_config)
+        model.config._experts_implementation = implementation
+        for tokens in (1, 33):
+            ids = torch.randint(0, 1000, (2, tokens), generator=torch.Generator().manual_seed(tokens))
+            cache = transformers.DynamicCache(config=model.config)
+            step = {"input_ids": ids[:, -1:], "cache": cache}
+            with torch.no_grad():
+                prefill = _eager_peak(model, ids, cache=cache)
+                bound = eager_call_bytes(model, (), step)
+                decode = _eager_peak(model, **step)
+            first = eager_call_bytes(model, (ids,), {})
+            assert first is not None and first >= prefill
+            assert bound is not None and bound >= decode

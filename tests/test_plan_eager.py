@@ -37,8 +37,10 @@ def test_the_eager_floor_is_where_eager_calls_start_to_fit(tmp_path, save_checkp
     assert not _ran_eagerly(tmp_path, floor - 256 * 2**10, ids, expected, logits)
 
 
-def test_calls_that_cannot_be_bounded_have_no_eager_floor():
-    """Routed experts: their eager code may copy stacked expert weights, which no config bound sees."""
+def test_routed_experts_have_an_eager_floor_where_their_eager_code_computes_on_views():
+    """Transformers' default experts implementation computes on views of the stacked weights on the CPU;
+    ``batched_mm`` gathers a copy of an expert's weights per routed token, which no config bound sees, and
+    a GPU's kernels are not measured: those calls are captured."""
     import transformers as tf
 
     from fxoffload_hf.plan import plan_config
@@ -47,5 +49,10 @@ def test_calls_that_cannot_be_bounded_have_no_eager_floor():
         hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
         num_hidden_layers=2, num_local_experts=4, vocab_size=1000,
     )  # fmt: skip
+    report = plan_config(config, cpu_memory="1GiB", seq_len=8)
+    assert report.eager_budget is not None and "eager calls from" in report.table()
+    on_gpu = plan_config(config, gpu_memory="1GiB", device="cuda", seq_len=8)
+    assert on_gpu.eager_budget is None
+    config._experts_implementation = "batched_mm"
     report = plan_config(config, cpu_memory="1GiB", seq_len=8)
     assert report.eager_budget is None and "eager calls        not bounded" in report.table()
