@@ -67,7 +67,9 @@ def way_of(record: WeightRecord, device_type: str, *, rows_only: bool = False) -
     if not tier.streams:
         return Way.HELD
     if device_type == "cpu":
-        copied_from = rows_only or record.tile_of is not None  # a tile is copied into its whole buffer
+        # rows looked up, and a tile of rows (mapped into its whole-shaped buffer), are copied from; a tile
+        # of experts computes with its pages as they lie (``expert_tiles``)
+        copied_from = rows_only or (record.tile_of is not None and record.tile_copied)
         return Way.MAPPED if (record.mappable if copied_from else record.in_place) else Way.STAGED
     if rows_only and record.host is not None:
         return Way.ROWS

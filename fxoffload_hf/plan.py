@@ -16,7 +16,7 @@ from torch import fx
 
 from fxoffload_hf import plan_capture, tiles
 from fxoffload_hf.config import RESIDENT_THRESHOLD, BudgetSpec, counts_graph_state, parse_budgets
-from fxoffload_hf.graphs import activation_peak, call_inputs, only_row_lookups
+from fxoffload_hf.graphs import activation_peak, call_inputs, only_row_lookups, traced_value
 from fxoffload_hf.kv_cache import kv_cache_bytes
 from fxoffload_hf.memory import free_device_memory, free_host_memory
 from fxoffload_hf.memory_model import (
@@ -283,10 +283,10 @@ def _tile_for_room(
         if not per_tile:
             continue  # the partition refuses it by name
         ranges = tiles.tile_ranges(shapes[weight][0], per_tile)
-        tiling = tiles.split_projections(gm, weight, ranges, tiles.tile_op(device_type))
+        made = tiles.split(gm, weight, ranges, tiles.tile_op(device_type))
         row_bytes = sizes[weight] // shapes[weight][0]
-        held = tiles.times_held(device_type)
-        for start, stop, node in tiling.tiles:
+        held = 1 if len(shapes[weight]) == 3 else tiles.times_held(device_type)  # experts: never copied
+        for start, stop, node in made:
             sizes[node] = held * (stop - start) * row_bytes
             labels[node] = f"{labels[weight]}[{start}:{stop}]"
         sizes[weight] = 0 if only_row_lookups(weight) else sizes[weight]
@@ -340,7 +340,10 @@ def _floor_reason(
     if heaviest is None:
         what = "no weights"
     elif tiled:
-        what = f"{labels[heaviest]} ({format_bytes(sizes[heaviest])}) streamed in its smallest tiles of rows"
+        kind = "experts" if len(traced_value(heaviest).shape) == 3 else "rows"
+        what = (
+            f"{labels[heaviest]} ({format_bytes(sizes[heaviest])}) streamed in its smallest tiles of {kind}"
+        )
     else:
         what = f"{labels[heaviest]} ({format_bytes(sizes[heaviest])}) streamed alone"
     graphs = f" + {format_bytes(memory.graph_bytes)} of captured graphs" if memory.graph_bytes else ""

@@ -63,6 +63,7 @@ def _kernel_key(
         x.data_ptr() % 64,
         tuple(tile.shape),
         tile.stride(),
+        tile.dtype,
         tile.data_ptr() % 64,
         tile.requires_grad,
         None if bias is None else (bias.dtype, bias.stride(), bias.data_ptr() % 64),

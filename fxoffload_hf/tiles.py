@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from fxoffload_hf import expert_tiles
 from fxoffload_hf.capture import ghost_for
 from fxoffload_hf.graphs import GraphFacts, activation_peak, is_row_lookup, traced_value, value_bytes
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
@@ -86,9 +87,10 @@ def rows_per_tile(shape: Sequence[int], itemsize: int, target_bytes: int) -> int
 
 
 def can_tile(weight: fx.Node, shape: Sequence[int]) -> bool:
-    """Whether a weight of ``shape`` can stream in tiles of rows: 2-D, and every use of it a projection
-    by it or a row lookup."""
-    return len(shape) == 2 and blocking_use(weight) is None
+    """Whether a weight of ``shape`` can stream in tiles: of rows where it is 2-D and every use of it a
+    projection by it or a row lookup; of whole experts where it is a stacked expert weight that only
+    grouped products use (``expert_tiles``)."""
+    return (len(shape) == 2 and blocking_use(weight) is None) or expert_tiles.can_tile_experts(weight, shape)
 
 
 def copied_to_compute(device_type: str) -> bool:
@@ -114,9 +116,10 @@ def times_held(device_type: str) -> int:
 
 
 def smallest_tile_bytes(shape: Sequence[int], itemsize: int, device_type: str) -> int:
-    """What the smallest tile of a 2-D weight holds while it computes (``times_held``)."""
+    """What the smallest tile of a weight holds while it computes: of a 2-D weight's rows
+    (``times_held``), of a stacked weight's experts (held once)."""
     return (
-        times_held(device_type)
+        (1 if len(shape) == 3 else times_held(device_type))
         * min(fewest_rows(shape, itemsize), shape[0])
         * math.prod(shape[1:])
         * itemsize
@@ -124,11 +127,19 @@ def smallest_tile_bytes(shape: Sequence[int], itemsize: int, device_type: str) -
 
 
 def smallest_unit(record: WeightRecord, device_type: str) -> int:
-    """The fewest bytes ``record`` can stream in: one tile of the fewest rows for a 2-D weight, else the
-    whole weight. Whether its uses allow tiles is known at capture."""
+    """The fewest bytes ``record`` can stream in: one tile of the fewest rows for a 2-D weight, one
+    expert's slab for a 3-D one (held once: ``expert_tiles``), else the whole weight. Whether its uses
+    allow tiles is known at capture."""
+    if len(record.shape) == 3:
+        return min(record.footprint, fewest_rows(record.shape, record.dtype.itemsize) * _slab(record))
     if len(record.shape) != 2:
         return record.footprint
     return min(record.footprint, smallest_tile_bytes(record.shape, record.dtype.itemsize, device_type))
+
+
+def _slab(record: WeightRecord) -> int:
+    """Bytes one row (one expert, for a stacked weight) of ``record`` takes as it streams."""
+    return -(-record.footprint // record.shape[0])
 
 
 def streaming_units(store: WeightStore, device_type: str) -> list[int]:
@@ -176,7 +187,7 @@ def tile_oversized(
     whole: list[fx.Node] = []
     for node in [n for n in streamed if sizes[n] > too_large_for(room, device_type)]:
         shape = records[facts.names[node]].shape
-        (tileable if len(shape) == 2 and blocking_use(node) is None else whole).append(node)
+        (tileable if can_tile(node, shape) else whole).append(node)
     # tiles hold one more output of their projection while they compute: the room is what is left
     activations = _activations_when_tiled(gm, facts, tileable, op) if tileable else facts.activation_bytes
     activations = max(activations, expected)
@@ -188,24 +199,30 @@ def tile_oversized(
             use = f"its use by {describe(blocker)}" if blocker else f"a {len(record.shape)}-D weight"
             why = (
                 f"{record.name} takes {format_bytes(sizes[node])} and must fit whole: {use} cannot be "
-                "split into tiles of rows (linear projections and embedding lookups can)"
+                "split into tiles (linear projections and embedding lookups can, by rows, and stacked "
+                "experts used by grouped products, by experts)"
             )
             short.append((memory.smallest_budget(sizes[node], activations), why))
     for node in tileable:
         record = records[facts.names[node]]
         shape, itemsize = record.shape, record.dtype.itemsize
-        # two tiles in flight in the room, else tiles that stream alone
-        per_tile = rows_per_tile(shape, itemsize, room // 4) or rows_per_tile(shape, itemsize, room // 2)
+        # two tiles in flight in the room, else tiles that stream alone (a tile of rows held twice on the
+        # CPU, with its copy; a tile of experts once)
+        held = 1 if len(shape) == 3 else 2
+        per_tile = rows_per_tile(shape, itemsize, room // (2 * held)) or rows_per_tile(
+            shape, itemsize, room // held
+        )
         if not per_tile and sizes[node] <= room:
-            continue  # its fewest rows, held twice, take more than it whole: it streams whole, alone
+            continue  # its fewest rows (held twice) take more than it whole: it streams whole, alone
         todo.append((node, record, per_tile))
         if not per_tile:
             unit = smallest_unit(record, device_type)
-            held = " with its copy" if on_cpu else ""
+            copy = " with its copy" if on_cpu and len(shape) == 2 else ""
+            kind = "experts" if len(shape) == 3 else "rows"
             why = (
                 f"not even {record.name} alone ({format_bytes(unit)}) fits"
                 if unit >= record.footprint
-                else f"not even the smallest tile of rows of {record.name} ({format_bytes(unit)}{held}) fits"
+                else f"not even the smallest tile of {kind} of {record.name} ({format_bytes(unit)}{copy}) fits"
             )
             short.append((memory.smallest_budget(unit, activations), why))
     if short:
@@ -216,10 +233,12 @@ def tile_oversized(
     gm, copies = own_copy(gm)
     ghosts, tiled = [], []
     for node, record, per_tile in todo:
-        tiling = split_projections(gm, copies[node], tile_ranges(record.shape[0], per_tile), op)
-        tiled.append(f"{record.name} ({len(tiling.tiles)} tiles of {per_tile} rows)")
-        for start, stop, _ in tiling.tiles:
-            tile = store.add_tile(record.name, start, stop, copied=on_cpu)
+        made = split(gm, copies[node], tile_ranges(record.shape[0], per_tile), op)
+        rows = "experts" if len(record.shape) == 3 else "rows"
+        tiled.append(f"{record.name} ({len(made)} tiles of {per_tile} {rows})")
+        for start, stop, _ in made:
+            # a tile of experts computes alone, exactly: never copied into a whole-shaped buffer
+            tile = store.add_tile(record.name, start, stop, copied=on_cpu and len(record.shape) == 2)
             ghosts.append(ghost_for(store, tile, store.device))
     report("too large to stream beside another piece, split into tiles: %s", ", ".join(tiled))
     return gm, ghosts
@@ -231,9 +250,20 @@ def _activations_when_tiled(gm: fx.GraphModule, facts: GraphFacts, weights: list
     weight_nodes = {copies[n] for n in facts.weight_bytes}
     for weight in weights:
         rows = int(traced_value(weight).shape[0])
-        tiling = split_projections(probe, copies[weight], tile_ranges(rows, max(rows // 2, 1)), op)
-        weight_nodes.update(tile for _start, _stop, tile in tiling.tiles)
+        made = split(probe, copies[weight], tile_ranges(rows, max(rows // 2, 1)), op)
+        weight_nodes.update(tile for _start, _stop, tile in made)
     return activation_peak(probe.graph, weight_nodes)
+
+
+def split(
+    gm: fx.GraphModule, weight: fx.Node, ranges: Sequence[tuple[int, int]], op: TileOp
+) -> list[tuple[int, int, fx.Node]]:
+    """Split ``weight`` of ``gm`` into tiles of ``ranges``: a stacked expert weight by experts
+    (``expert_tiles``), else by rows (``split_projections``). Each tile's (first, one past the last,
+    placeholder)."""
+    if len(traced_value(weight).shape) == 3:
+        return expert_tiles.split_experts(gm, weight, ranges)
+    return list(split_projections(gm, weight, ranges, op).tiles)
 
 
 @dataclass(frozen=True)
@@ -288,7 +318,9 @@ def split_projections(
 
 def extra_activation_bytes(weight: fx.Node) -> int:
     """What tiling ``weight`` adds to the activations: one more output of its largest projection while
-    a tile computes beside the output being filled."""
+    a tile computes beside the output being filled (of its grouped product, for stacked experts)."""
+    if len(traced_value(weight).shape) == 3:
+        return expert_tiles.extra_activation_bytes(weight)
     return max(
         (value_bytes(traced_value(u)) for u in weight.users if _is_projection_of(u, weight)), default=0
     )
