@@ -17,6 +17,14 @@ other compiled code in the process keeps its own graphs.
   (a bf16 Llama with head size 128: logits one ulp off, greedy tokens parted from eager's). An offloaded
   call never exports.
 
+- ``moe._can_use_grouped_mm``: Transformers computes a mixture of experts with torch's grouped product
+  where it can, and traces its own fallback (one product per expert, an op of its own) only for
+  non-bf16 weights. Tracing torch's product checks the weight's strides, which an offloaded weight's
+  ghost (one value broadcast) does not have: a bf16 model's capture failed. Inside a traced call of an
+  offloaded model on the CPU it answers False, so the graph holds the fallback, which computes the same
+  per-expert products as torch's grouped product on the CPU, bit for bit
+  (``tests/test_expert_tiles.py``); eager calls still take torch's.
+
 On CUDA, ``masking_utils`` also decides from a traced mask's values whether SDPA needs a mask at all:
 eager passes none where the padding mask is all ones, compiled code always passes one. There its
 ``is_tracing(tensor)`` answers False inside an offloaded call, so the values are read as eager reads
@@ -33,11 +41,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+
 _EAGER_INSIDE = (
     ("transformers.integrations.sdpa_attention", "is_torchdynamo_compiling"),
     ("transformers.masking_utils", "is_torchdynamo_exporting"),
 )
 _MASKS_BY_VALUE = ("transformers.masking_utils", "is_tracing")
+_GROUPED_EXPERTS = ("transformers.integrations.moe", "_can_use_grouped_mm")
 
 # True while an offloaded model's entry point runs; read (and guarded on) by the replacements
 _inside = False
@@ -82,6 +93,7 @@ def _replacements() -> Iterator[tuple[str, str, Callable[[Callable[..., bool]], 
     for name, attr in _EAGER_INSIDE:
         yield name, attr, _eager_inside
     yield *_MASKS_BY_VALUE, _masks_read_inside
+    yield *_GROUPED_EXPERTS, _experts_traced_by_fallback
 
 
 def _replace() -> None:
@@ -118,3 +130,13 @@ def _masks_read_inside(original: Callable[..., bool]) -> Callable[..., bool]:
         return original(tensor)
 
     return is_tracing
+
+
+def _experts_traced_by_fallback(original: Callable[..., bool]) -> Callable[..., bool]:
+    @functools.wraps(original)
+    def can_use_grouped_mm(input: Any, weight: Any, offs: Any) -> bool:
+        if _inside and weight.device.type == "cpu" and torch.compiler.is_compiling():
+            return False
+        return original(input, weight, offs)
+
+    return can_use_grouped_mm

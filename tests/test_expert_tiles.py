@@ -129,3 +129,42 @@ def test_the_plans_floor_is_set_by_a_tile_of_experts(tmp_path) -> None:
             assert torch.equal(model(ids).logits, expected)
     finally:
         fxoffload_hf.restore(model)
+
+
+def test_a_bf16_moe_model_is_captured_with_its_experts_in_tiles(tmp_path) -> None:
+    """torch's grouped product (Transformers' choice for bf16) checks the weight's strides as it traces,
+    which a ghost lacks: traced calls of an offloaded model on the CPU take Transformers' fallback, the
+    same per-expert products (``eager_paths``). Captured bf16 on the CPU is not bit-exact for dense models
+    either: the greedy tokens are compared, and the logits within bf16's rounding."""
+    eager = _moe("mixtral", tmp_path, torch.bfloat16)
+    weights = sum(p.numel() * p.element_size() for p in eager.parameters())
+    ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(1))
+    greedy = {"max_new_tokens": 4, "do_sample": False}
+    with torch.no_grad():
+        expected, expected_tokens = eager(ids).logits, eager.generate(ids, **greedy)
+    model = fxoffload_hf.from_pretrained(
+        tmp_path, cpu_memory=weights // 10, device="cpu", capture="first-call"
+    )
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, expected, rtol=0.02, atol=0.02)
+            assert torch.equal(model.generate(ids, **greedy), expected_tokens)
+        store = fxoffload_hf.engine_of(model).store
+        assert any(r.tile_of and "experts" in r.tile_of for r in store.records.values())
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_transformers_fallback_computes_what_torchs_grouped_product_does_on_the_cpu() -> None:
+    """What lets a traced call take the fallback where eager takes torch's product (``eager_paths``)."""
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for experts, width, out, tokens in [(8, 128, 512, 30), (16, 256, 96, 7), (4, 64, 64, 1)]:
+            counts = torch.randint(0, 4, (experts,), generator=gen)
+            counts[0] += tokens
+            ends = torch.cumsum(counts, 0).to(torch.int32)
+            x = torch.randn(int(counts.sum()), width, generator=gen).to(dtype)
+            weight = torch.randn(experts, out, width, generator=gen).to(dtype).transpose(-2, -1)
+            assert torch.equal(
+                _PRODUCTS["fallback"](x, weight, ends), _PRODUCTS["_grouped_mm"](x, weight, ends)
+            )
