@@ -407,3 +407,34 @@ def test_a_block_of_generates_on_the_gpu_equals_the_calls_one_by_one(build_model
         assert max(groups) == 3
     finally:
         fxoffload_hf.restore(model)
+
+
+def test_a_bf16_moe_model_is_captured_on_the_gpu(tmp_path):
+    """Traced calls take Transformers' per-expert fallback where eager takes cuBLAS' grouped product
+    (``eager_paths``): greedy tokens equal, logits close; whether bit for bit is printed."""
+    import transformers
+
+    small = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}
+    config = transformers.MixtralConfig(
+        hidden_size=128, intermediate_size=512, num_local_experts=8, num_experts_per_tok=2, **small
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    eager = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval().cuda()
+    weights = sum(p.numel() * p.element_size() for p in eager.parameters())
+    ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(1)).cuda()
+    greedy = {"max_new_tokens": 4, "do_sample": False}
+    with torch.no_grad():
+        expected, expected_tokens = eager(ids).logits, eager.generate(ids, **greedy)
+    model = fxoffload_hf.from_pretrained(
+        tmp_path, gpu_memory=weights // 2, device="cuda", capture="first-call"
+    )
+    try:
+        with torch.no_grad():
+            logits = model(ids).logits
+            tokens = model.generate(ids, **greedy)
+        print("bf16 MoE logits bit for bit:", torch.equal(logits, expected))
+        torch.testing.assert_close(logits, expected, rtol=0.02, atol=0.02)
+        assert torch.equal(tokens, expected_tokens)
+    finally:
+        fxoffload_hf.restore(model)
