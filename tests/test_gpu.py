@@ -411,7 +411,7 @@ def test_a_block_of_generates_on_the_gpu_equals_the_calls_one_by_one(build_model
 
 def test_a_bf16_moe_model_is_captured_on_the_gpu(tmp_path):
     """Traced calls take Transformers' per-expert fallback where eager takes cuBLAS' grouped product
-    (``eager_paths``): greedy tokens equal, logits close; whether bit for bit is printed."""
+    (``eager_paths``): greedy tokens equal, logits close; whether bit for bit is told as a warning."""
     import transformers
 
     small = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}
@@ -433,7 +433,9 @@ def test_a_bf16_moe_model_is_captured_on_the_gpu(tmp_path):
         with torch.no_grad():
             logits = model(ids).logits
             tokens = model.generate(ids, **greedy)
-        print("bf16 MoE logits bit for bit:", torch.equal(logits, expected))
+        warnings.warn(
+            f"bf16 MoE logits bit for bit on the GPU: {torch.equal(logits, expected)}", stacklevel=1
+        )
         torch.testing.assert_close(logits, expected, rtol=0.02, atol=0.02)
         assert torch.equal(tokens, expected_tokens)
     finally:
