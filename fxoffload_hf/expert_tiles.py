@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import fx
 
-from fxoffload_hf.graphs import traced_value, value_bytes
+from fxoffload_hf.graphs import tile_placeholders, traced_value, value_bytes
 
 _TRANSPOSE = {"transpose", torch.transpose, torch.Tensor.transpose}
 
@@ -96,16 +96,8 @@ def split_experts(
     graph = gm.graph
     uses = grouped_uses(weight)
     assert uses is not None, f"{weight.name}: not only grouped products"
-    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    value = traced_value(weight)
-    experts = int(value.shape[0])
-    tiles = []
-    for start, stop in ranges:
-        with graph.inserting_after(last):
-            last = graph.placeholder(f"{weight.name}_experts_{start}_{stop}")
-        with value.fake_mode:
-            last.meta["example_value"] = value[start:stop]
-        tiles.append((start, stop, last))
+    experts = int(traced_value(weight).shape[0])
+    tiles = tile_placeholders(graph, weight, ranges, "experts")
     for product, transposed in uses:
         offs = _offsets(product)
         filled: fx.Node | None = None

@@ -6,6 +6,7 @@ Pure functions of an ``fx.Graph`` and its example inputs (no IO, no engine): the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,24 @@ _MODULE_STATE = ("_buffers_", "_parameters_")
 def traced_value(node: fx.Node) -> Any:
     """The fake value dynamo traced for ``node`` (sizes symbolic where they are)."""
     return node.meta.get("example_value", node.meta.get("val"))
+
+
+def tile_placeholders(
+    graph: fx.Graph, weight: fx.Node, ranges: Sequence[tuple[int, int]], what: str
+) -> list[tuple[int, int, fx.Node]]:
+    """A placeholder for each range of ``weight``'s first dimension (its rows, or experts), appended
+    after the graph's own so the call's arguments keep their positions, traced as that slice; each
+    range's (first, one past the last, placeholder). ``what`` names them (``rows``, ``experts``)."""
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    value = traced_value(weight)
+    tiles = []
+    for start, stop in ranges:
+        with graph.inserting_after(last):
+            last = graph.placeholder(f"{weight.name}_{what}_{start}_{stop}")
+        with value.fake_mode:
+            last.meta["example_value"] = value[start:stop]
+        tiles.append((start, stop, last))
+    return tiles
 
 
 def call_inputs(graph: fx.Graph, weight_nodes: set[fx.Node]) -> list[fx.Node]:

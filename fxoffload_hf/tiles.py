@@ -28,7 +28,14 @@ from torch import fx
 
 from fxoffload_hf import expert_tiles
 from fxoffload_hf.capture import ghost_for
-from fxoffload_hf.graphs import GraphFacts, activation_peak, is_row_lookup, traced_value, value_bytes
+from fxoffload_hf.graphs import (
+    GraphFacts,
+    activation_peak,
+    is_row_lookup,
+    tile_placeholders,
+    traced_value,
+    value_bytes,
+)
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
 from fxoffload_hf.planner import sizes_for_budget
 from fxoffload_hf.progress import report
@@ -291,16 +298,8 @@ def split_projections(
     graph's own, so the call's arguments keep their positions) and filling its columns of the first
     call's output. Row lookups keep ``weight``."""
     graph = gm.graph
-    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    weight_value = traced_value(weight)
-    rows = int(weight_value.shape[0])
-    tiles = []
-    for start, stop in ranges:
-        with graph.inserting_after(last):
-            last = graph.placeholder(f"{weight.name}_rows_{start}_{stop}")
-        with weight_value.fake_mode:
-            last.meta["example_value"] = weight_value[start:stop]
-        tiles.append((start, stop, last))
+    rows = int(traced_value(weight).shape[0])
+    tiles = tile_placeholders(graph, weight, ranges, "rows")
     for user in [u for u in weight.users if _is_projection_of(u, weight)]:
         x = user.args[0]
         bias = user.args[2] if len(user.args) > 2 else user.kwargs.get("bias")
