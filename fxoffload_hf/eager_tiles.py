@@ -67,9 +67,8 @@ def tile_rows_for(
     if footprint <= too_large_for(room, device_type):
         return None
     group = math.lcm(fewest_rows(shape, itemsize), ROW_GROUP)
-    fewest = (
-        -(-shape[0] // MOST_TILES // group) * group
-    )  # whole pages and row groups, MOST_TILES tiles at most
+    # whole pages and row groups, MOST_TILES tiles at most
+    fewest = -(-shape[0] // MOST_TILES // group) * group
     rows = max(rows_per_tile(shape, itemsize, room // _TILE_SHARE), fewest)
     return rows if rows < shape[0] else None
 

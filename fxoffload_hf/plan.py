@@ -279,7 +279,10 @@ def _tile_for_room(
     oversized = [w for w in tileable if sizes[w] > tiles.too_large_for(room, device_type)]
     room -= max(map(tiles.extra_activation_bytes, oversized), default=0)
     for weight in oversized:
-        per_tile = tiles.rows_per_tile(shapes[weight], itemsize, room // 4)
+        # as ``tiles.tile_oversized`` sizes them: two in flight, a tile of rows held twice, of experts once
+        per_tile = tiles.rows_per_tile(
+            shapes[weight], itemsize, room // (2 if len(shapes[weight]) == 3 else 4)
+        )
         if not per_tile:
             continue  # the partition refuses it by name
         ranges = tiles.tile_ranges(shapes[weight][0], per_tile)

@@ -83,7 +83,7 @@ def alone_is_exact(
 
 def _learn(key: Hashable, x: torch.Tensor, alone: torch.Tensor, whole_columns: torch.Tensor) -> None:
     """Record whether the tile's own product equalled the whole's columns, where ``x`` can tell: at least
-    half its values nonzero (sums of a few terms round alike in any order)."""
+    half its values nonzero (sums of a few nonzero terms can round alike in any order)."""
     if 2 * int(torch.count_nonzero(x)) < x.numel():
         return
     with _verdicts_lock:
