@@ -279,16 +279,13 @@ def _tile_for_room(
     oversized = [w for w in tileable if sizes[w] > tiles.too_large_for(room, device_type)]
     room -= max(map(tiles.extra_activation_bytes, oversized), default=0)
     for weight in oversized:
-        # as ``tiles.tile_oversized`` sizes them: two in flight, a tile of rows held twice, of experts once
-        per_tile = tiles.rows_per_tile(
-            shapes[weight], itemsize, room // (2 if len(shapes[weight]) == 3 else 4)
-        )
+        per_tile = tiles.rows_per_tile(shapes[weight], itemsize, room // tiles.tile_share(shapes[weight]))
         if not per_tile:
             continue  # the partition refuses it by name
         ranges = tiles.tile_ranges(shapes[weight][0], per_tile)
         made = tiles.split(gm, weight, ranges, tiles.tile_op(device_type))
         row_bytes = sizes[weight] // shapes[weight][0]
-        held = 1 if len(shapes[weight]) == 3 else tiles.times_held(device_type)  # experts: never copied
+        held = tiles.times_held(device_type, shapes[weight])
         for start, stop, node in made:
             sizes[node] = held * (stop - start) * row_bytes
             labels[node] = f"{labels[weight]}[{start}:{stop}]"

@@ -116,17 +116,24 @@ def tile_op(device_type: str) -> TileOp:
     return tile_linear if copied_to_compute(device_type) else tile_linear_alone
 
 
-def times_held(device_type: str) -> int:
-    """How many times a tile's bytes are held while it computes: twice on the CPU (streamed, and copied
-    into the whole-shaped buffer), once on CUDA."""
-    return 2 if copied_to_compute(device_type) else 1
+def times_held(device_type: str, shape: Sequence[int] = ()) -> int:
+    """How many times the bytes of a tile of a weight of ``shape`` are held while it computes: a tile of
+    rows twice on the CPU (streamed, and copied into the whole-shaped buffer), once on CUDA; a tile of a
+    stacked weight's experts once (``expert_tiles``: never copied)."""
+    return 2 if copied_to_compute(device_type) and len(shape) != 3 else 1
+
+
+def tile_share(shape: Sequence[int]) -> int:
+    """The share of the room for weights a tile of a weight of ``shape`` is sized to: two in flight, a
+    tile of rows counted as held twice on every device (exactness first), a tile of experts once. Half
+    that share where even two do not fit (a tile that streams alone)."""
+    return 2 if len(shape) == 3 else 4
 
 
 def smallest_tile_bytes(shape: Sequence[int], itemsize: int, device_type: str) -> int:
-    """What the smallest tile of a weight holds while it computes: of a 2-D weight's rows
-    (``times_held``), of a stacked weight's experts (held once)."""
+    """What the smallest tile of a weight holds while it computes (``times_held``)."""
     return (
-        (1 if len(shape) == 3 else times_held(device_type))
+        times_held(device_type, shape)
         * min(fewest_rows(shape, itemsize), shape[0])
         * math.prod(shape[1:])
         * itemsize
@@ -213,11 +220,10 @@ def tile_oversized(
     for node in tileable:
         record = records[facts.names[node]]
         shape, itemsize = record.shape, record.dtype.itemsize
-        # two tiles in flight in the room, else tiles that stream alone (a tile of rows held twice on the
-        # CPU, with its copy; a tile of experts once)
-        held = 1 if len(shape) == 3 else 2
-        per_tile = rows_per_tile(shape, itemsize, room // (2 * held)) or rows_per_tile(
-            shape, itemsize, room // held
+        # two tiles in flight in the room, else tiles that stream alone (``tile_share``)
+        share = tile_share(shape)
+        per_tile = rows_per_tile(shape, itemsize, room // share) or rows_per_tile(
+            shape, itemsize, room // (share // 2)
         )
         if not per_tile and sizes[node] <= room:
             continue  # its fewest rows (held twice) take more than it whole: it streams whole, alone
