@@ -21,24 +21,27 @@ from fxoffload_hf.graphs import tile_placeholders, traced_value, value_bytes
 _TRANSPOSE = {"transpose", torch.transpose, torch.Tensor.transpose}
 
 
-def _grouped_products() -> dict[object, str]:
-    """The grouped products a traced experts module calls, by the name ``tile_grouped_mm`` calls them
-    by: Transformers' fallback (registered when its experts integration is imported) and PyTorch's own."""
-    products: dict[object, str] = {torch._grouped_mm: "_grouped_mm"}
+def _grouped_products() -> dict[str, Callable[..., torch.Tensor]]:
+    """The grouped products a traced experts module may call, by the name ``tile_grouped_mm`` is given:
+    PyTorch's own, and Transformers' fallback (registered when its experts integration is imported)."""
+    products: dict[str, Callable[..., torch.Tensor]] = {"_grouped_mm": torch._grouped_mm}
     grouped = getattr(torch.nn.functional, "grouped_mm", None)
     if grouped is not None:
-        products[grouped] = "grouped_mm"
+        products["grouped_mm"] = grouped
     fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
     if fallback is not None:
-        products.update({fallback: "fallback", fallback.default: "fallback"})
+        products["fallback"] = fallback
     return products
 
 
-def _product(name: str) -> Callable[..., torch.Tensor]:
-    """The grouped product ``_grouped_products`` names ``name``."""
-    if name == "fallback":
-        return torch.ops.transformers.grouped_mm_fallback  # type: ignore[no-any-return]
-    return torch._grouped_mm if name == "_grouped_mm" else torch.nn.functional.grouped_mm
+def _names_of_targets() -> dict[object, str]:
+    """Each grouped product's name by the targets a traced graph calls it as (an op by its overload too)."""
+    names: dict[object, str] = {}
+    for name, product in _grouped_products().items():
+        names[product] = name
+        if isinstance(product, torch._ops.OpOverloadPacket):
+            names[product.default] = name
+    return names
 
 
 def _offsets(node: fx.Node) -> fx.Node | None:
@@ -62,7 +65,7 @@ def _transposes_last_two(node: fx.Node) -> bool:
 def grouped_uses(weight: fx.Node) -> list[tuple[fx.Node, bool]] | None:
     """Each grouped product ``weight`` is the stacked operand of, and whether through a transpose of its
     last two dimensions; None where any use is something else (it cannot stream in tiles of experts)."""
-    targets = _grouped_products()
+    targets = _names_of_targets()
     uses: list[tuple[fx.Node, bool]] = []
     for user in weight.users:
         transposed = _transposes_last_two(user) and user.args[0] is weight
@@ -98,12 +101,12 @@ def split_experts(
     assert uses is not None, f"{weight.name}: not only grouped products"
     experts = int(traced_value(weight).shape[0])
     tiles = tile_placeholders(graph, weight, ranges, "experts")
+    names = _names_of_targets()
     for product, transposed in uses:
-        offs = _offsets(product)
+        offs, name = _offsets(product), names[product.target]
         filled: fx.Node | None = None
         with graph.inserting_before(product):
             for start, _stop, tile in tiles:
-                name = _grouped_products()[product.target]
                 args = (product.args[0], tile, offs, start, experts, transposed, name, filled)
                 filled = graph.call_function(tile_grouped_mm, args)
                 filled.meta["example_value"] = traced_value(product)
@@ -140,7 +143,7 @@ def tile_grouped_mm(
     first = 0 if start == 0 else int(bounds[start - 1])
     last = int(bounds[start + count - 1])
     if last > first:
-        filled[first:last] = _product(product)(
+        filled[first:last] = _grouped_products()[product](
             tokens[first:last], weight, offs=ends[start : start + count] - first
         )
     return filled
