@@ -109,6 +109,19 @@ def checkpoint_config(arch: str):
         return tf.MistralConfig(num_key_value_heads=2, **small)
     if arch == "mixtral":
         return tf.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **small)
+    # mixtures of experts whose stacked weights are each about a third of the model (``expert_tiles``)
+    experts = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}
+    if arch == "mixtral-8-experts":
+        return tf.MixtralConfig(
+            hidden_size=128, intermediate_size=512, num_local_experts=8, num_experts_per_tok=2, **experts
+        )
+    if arch == "qwen3_moe":  # many experts, four per token
+        return tf.Qwen3MoeConfig(
+            hidden_size=128, intermediate_size=256, moe_intermediate_size=256, num_experts=16,
+            num_experts_per_tok=4, **experts,
+        )  # fmt: skip
+    if arch == "gpt_oss":  # stacked weights stored transposed (no transpose in the graph), with biases
+        return tf.GptOssConfig(hidden_size=128, intermediate_size=256, num_local_experts=8, **experts)
     if arch == "opt":
         return tf.OPTConfig(
             num_hidden_layers=3, num_attention_heads=4, hidden_size=128, ffn_dim=256, vocab_size=1000,

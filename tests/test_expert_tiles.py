@@ -52,21 +52,8 @@ def test_tiles_of_experts_equal_the_whole_grouped_product(product, dtype, transp
     assert torch.equal(_tiled(tokens, stacked, ends, per_tile, transposed, product), whole)
 
 
-def _moe(arch: str, folder, dtype=torch.float32) -> torch.nn.Module:
-    small = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}
-    if arch == "mixtral":
-        config = transformers.MixtralConfig(
-            hidden_size=128, intermediate_size=512, num_local_experts=8, num_experts_per_tok=2, **small
-        )
-    elif arch == "qwen3_moe":  # many experts, four per token
-        config = transformers.Qwen3MoeConfig(
-            hidden_size=128, intermediate_size=256, moe_intermediate_size=256, num_experts=16,
-            num_experts_per_tok=4, **small,
-        )  # fmt: skip
-    else:  # gpt_oss: stacked weights stored transposed (no transpose in the graph), with biases
-        config = transformers.GptOssConfig(
-            hidden_size=128, intermediate_size=256, num_local_experts=8, **small
-        )
+def _moe(config, folder, dtype=torch.float32) -> torch.nn.Module:
+    """A seeded MoE model of ``config`` (``checkpoint_config``'s) saved to ``folder`` in ``dtype``, aligned."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
     model.save_pretrained(folder, max_shard_size="2MB")
@@ -74,10 +61,14 @@ def _moe(arch: str, folder, dtype=torch.float32) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize(("arch", "share"), [("mixtral", 0.08), ("qwen3_moe", 0.1), ("gpt_oss", 0.1)])
-def test_moe_models_stream_their_experts_in_tiles_and_equal_eager(arch, share, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("arch", "share"), [("mixtral-8-experts", 0.08), ("qwen3_moe", 0.1), ("gpt_oss", 0.1)]
+)
+def test_moe_models_stream_their_experts_in_tiles_and_equal_eager(
+    arch, share, tmp_path, checkpoint_config
+) -> None:
     """At budgets below one stacked weight (it needs 26-30% of these models' weights), in captured graphs."""
-    eager = _moe(arch, tmp_path)
+    eager = _moe(checkpoint_config(arch), tmp_path)
     weights = sum(p.numel() * p.element_size() for p in eager.parameters())
     largest = max(p.numel() * p.element_size() for p in eager.parameters())
     ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -107,11 +98,11 @@ def test_a_stacked_weight_other_ops_use_is_refused_by_name() -> None:
     assert not tiles.can_tile(stacked, (8, 64, 96))
 
 
-def test_the_plans_floor_is_set_by_a_tile_of_experts(tmp_path) -> None:
+def test_the_plans_floor_is_set_by_a_tile_of_experts(tmp_path, checkpoint_config) -> None:
     """Not by the stacked weight streamed whole; and a call of the planned length runs there, exactly."""
     from fxoffload_hf.plan import plan_checkpoint
 
-    eager = _moe("mixtral", tmp_path)
+    eager = _moe(checkpoint_config("mixtral-8-experts"), tmp_path)
     largest = max(p.numel() * p.element_size() for p in eager.parameters())
     report = plan_checkpoint(tmp_path, cpu_memory="1GiB", seq_len=8)
     assert (
@@ -131,12 +122,12 @@ def test_the_plans_floor_is_set_by_a_tile_of_experts(tmp_path) -> None:
         fxoffload_hf.restore(model)
 
 
-def test_a_bf16_moe_model_is_captured_with_its_experts_in_tiles(tmp_path) -> None:
+def test_a_bf16_moe_model_is_captured_with_its_experts_in_tiles(tmp_path, checkpoint_config) -> None:
     """torch's grouped product (Transformers' choice for bf16) checks the weight's strides as it traces,
     which a ghost lacks: traced calls of an offloaded model on the CPU take Transformers' fallback, the
     same per-expert products (``eager_paths``). Against Transformers' own load of the checkpoint (a model
     converted in memory keeps its rotary frequencies in bf16, a loaded one computes them in fp32)."""
-    _moe("mixtral", tmp_path, torch.bfloat16)
+    _moe(checkpoint_config("mixtral-8-experts"), tmp_path, torch.bfloat16)
     eager = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert eager.dtype == torch.bfloat16
     weights = sum(p.numel() * p.element_size() for p in eager.parameters())

@@ -409,15 +409,12 @@ def test_a_block_of_generates_on_the_gpu_equals_the_calls_one_by_one(build_model
         fxoffload_hf.restore(model)
 
 
-def test_a_bf16_moe_model_is_captured_on_the_gpu(tmp_path):
+def test_a_bf16_moe_model_is_captured_on_the_gpu(tmp_path, checkpoint_config):
     """Traced calls take Transformers' per-expert fallback where eager takes cuBLAS' grouped product
     (``eager_paths``): greedy tokens equal, logits close; whether bit for bit is told as a warning."""
     import transformers
 
-    small = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}
-    config = transformers.MixtralConfig(
-        hidden_size=128, intermediate_size=512, num_local_experts=8, num_experts_per_tok=2, **small
-    )
+    config = checkpoint_config("mixtral-8-experts")
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path)
     eager = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval().cuda()
