@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import disk, model
-from harness.children import run_child
+from harness.children import add_child_options, run_child
 from harness.protocol import emit
 
 SCRIPT = Path(__file__).resolve()
@@ -86,8 +86,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="drop the page cache before each child (root): weights come from disk",
     )
-    add("--child", default=None, help=argparse.SUPPRESS)
-    add("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    add_child_options(parser)
     args = parser.parse_args(argv)
     if args.model_dir is None:
         args.model_dir = Path.home() / ".cache" / "fxoffload_hf" / f"bench-llama-vocab32k-{args.size_gb:g}g"

@@ -20,7 +20,15 @@ from typing import Any
 
 from harness import disk, engine, measure, model, report, rounds, targets
 from harness.cgroup import MemoryCgroup, cgroups_writable
-from harness.children import ChildRun, build_once, limited_row, run_child, serve_child, summarize
+from harness.children import (
+    ChildRun,
+    add_child_options,
+    build_once,
+    limited_row,
+    run_child,
+    serve_child,
+    summarize,
+)
 from harness.cpu import wait_for_idle
 from harness.protocol import emit, phase
 from harness.sampling import MemoryMarks
@@ -100,8 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--out", type=Path, default=Path("bench_results/bench_cpu_offload.json"))
     add("--timeline", default=None, help="PNG of fxoffload's copy and compute per piece (no limit)")
     add("--trace", default=None, help="the same as a Chrome trace (JSON) for Perfetto")
-    add("--child", choices=(*MODES, *EXTRA_MODES, "build", "baseline"), help=argparse.SUPPRESS)
-    add("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    add_child_options(parser, (*MODES, *EXTRA_MODES))
     args = parser.parse_args(argv)
     if args.model_dir is None:
         vocab = "" if args.vocab == model.VOCAB else f"-vocab{args.vocab}"

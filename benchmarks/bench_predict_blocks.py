@@ -22,7 +22,7 @@ from typing import Any
 
 from harness import disk, model, report, rounds, targets
 from harness.cgroup import cgroups_writable
-from harness.children import build_once, mode_row, run_child, serve_child
+from harness.children import add_child_options, build_once, mode_row, run_child, serve_child
 from harness.protocol import emit, phase
 from harness.sampling import MemoryMarks, import_baseline
 
@@ -126,8 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--timeout", type=float, default=900.0, help="seconds per run")
     add("--wait-idle", type=float, default=30.0, help="before each run, wait up to this long for idle CPUs")
     add("--out", type=Path, default=Path("bench_results/bench_predict_blocks.json"))
-    add("--child", default=None, help=argparse.SUPPRESS)
-    add("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    add_child_options(parser)
     args = parser.parse_args(argv)
     if args.model_dir is None:
         name = f"bench-llama-{args.size_gb:g}g-vocab{args.vocab}"

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import disk, engine, measure, model, report, rounds, targets
-from harness.children import build_once, limit_baseline, mode_row, serve_child
+from harness.children import add_child_options, build_once, limit_baseline, mode_row, serve_child
 from harness.cpu import BUSY_WARNING
 from harness.protocol import emit, phase
 from harness.sampling import MemoryMarks
@@ -132,8 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--timeout", type=float, default=600.0, help="seconds per run")
     add("--wait-idle", type=float, default=30.0, help="before each run, wait up to this long for idle CPUs")
     add("--out", type=Path, default=Path("bench_results/bench_throughput.json"))
-    add("--child", choices=(*MODES, "build", "baseline"), help=argparse.SUPPRESS)
-    add("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    add_child_options(parser, MODES)
     args = parser.parse_args(argv)
     if args.model_dir is None:
         args.model_dir = Path.home() / ".cache" / "fxoffload_hf" / f"bench-llama-{args.size_gb:g}g"

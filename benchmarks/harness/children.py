@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,14 @@ def build_once(script: Path, model_dir: Path, config: dict[str, Any], argv: list
         print(f"building the model failed:\n{built.log_tail()}", file=sys.stderr)
         return False
     return True
+
+
+def add_child_options(parser: argparse.ArgumentParser, modes: Iterable[str] | None = None) -> None:
+    """The hidden options by which a benchmark runs its own script as a child (``serve_child``): the
+    child's task (one of ``modes``, ``build`` or ``baseline`` where ``modes`` are given) and its budget."""
+    choices = (*modes, "build", "baseline") if modes is not None else None
+    parser.add_argument("--child", default=None, choices=choices, help=argparse.SUPPRESS)
+    parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
 
 
 def serve_child(
