@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,3 +204,40 @@ def canonical_call(
         return tuple(positional), named
 
     return canonical
+
+
+def graph_check(fn: Callable[..., Any]) -> Callable[[tuple[Any, ...], dict[str, Any]], bool]:
+    """A function telling whether dynamo holds a graph of ``fn`` (compiled by ``compile_entry``) whose
+    guards pass for a call: asked of its cache entries as dynamo asks them, so False means the call would
+    be captured anew. Ask it in the state the call runs in (``eager_paths.inside``: graphs are guarded
+    on it). A frame past a graph break is not asked: a call that passes and breaks into a new frame still
+    captures that one. Always False where the function's frame cannot be told (no code to read)."""
+    function = getattr(fn, "__func__", fn)
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return lambda args, kwargs: False
+    canonical = canonical_call(fn)
+    signature = inspect.signature(function, follow_wrapped=False)  # the frame's own arguments
+    owner = (fn.__self__,) if inspect.ismethod(fn) else ()
+    free: dict[str, Any] = {}
+    for name, cell in zip(code.co_freevars, function.__closure__ or (), strict=True):
+        with suppress(ValueError):  # a cell not filled yet
+            free[name] = cell.cell_contents
+
+    def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
+        if not entries:
+            return False
+        args, kwargs = canonical(args, kwargs)
+        try:
+            bound = signature.bind(*owner, *args, **kwargs)
+        except TypeError:
+            return False
+        bound.apply_defaults()
+        frame_locals = {**free, **bound.arguments}
+        try:
+            return any(entry.guard_manager.check(frame_locals) for entry in entries)
+        except Exception:  # noqa: BLE001 - a guard that cannot read these locals: dynamo would capture
+            return False
+
+    return check

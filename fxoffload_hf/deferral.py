@@ -12,6 +12,11 @@ ski-rental rule), or when a block of calls starts (each weight is then read once
 chosen for speed that the budget refuses (its pieces can group weights that eager calls are lent one
 module at a time) sends the calls back to eager code for good. When deferring ends the weights it kept
 are let go: the captured schedule chooses its own from its profile.
+
+After deferring ended, a call that no captured graph serves (a plain forward after a generate, a batch of
+another kind: dynamo would capture a graph for it) runs eagerly too, rather than paying a capture for one
+call, while such calls have taken less than a graph's capture is estimated to cost and its bound fits
+beside the weights the graphs keep; then it is captured.
 """
 
 from __future__ import annotations
@@ -84,6 +89,9 @@ class Deferral:
         self._largest_need = 0  # the largest bound of an eager call so far
         self._eager_seconds = 0.0
         self._most_module_calls = 0  # lent in one eager call, at most
+        # calls no graph served after deferring ended, run eagerly since the last capture, and their seconds
+        self._uncaptured_calls = 0
+        self._uncaptured_seconds = 0.0
 
     def runs_eagerly(self, need: int | None, expected: int) -> bool:
         """Whether a call bounded by ``need`` bytes beside its weights (``eager_memory``; None: no bound)
@@ -128,13 +136,48 @@ class Deferral:
         self.end(f"capturing from this call, not running it eagerly: {detail}", by_choice=False)
         return False
 
+    def runs_uncaptured(self, need: int | None, expected: int) -> bool:
+        """Whether a call that no captured graph serves, after deferring ended, runs as eager code instead
+        of being captured (a plain forward after a generate, a batch of a new kind): while such calls have
+        taken less than a graph's capture is estimated to cost (the ski-rental rule, per graph), and its
+        bound ``need`` fits the budget beside the weights kept for the graphs and the largest module lent
+        whole, with ``expected`` bytes of a generate's KV caches. Nothing is let go for it."""
+        if self.on or not self.deferred_capture or need is None:
+            return False
+        if self._uncaptured_seconds >= self._graph_capture_seconds():
+            report(
+                "capturing a new graph from this call: %d eager calls no graph served took %.1f s, about "
+                "what its capture is estimated to take",
+                self._uncaptured_calls,
+                self._uncaptured_seconds,
+            )
+            self._uncaptured_calls, self._uncaptured_seconds = 0, 0.0  # the next new graph rents again
+            return False
+        budget = self.memory.budget
+        if budget is None:
+            self.in_flight_room = None
+            return True
+        kept = HeldBytes(self.store, [r for r in self.store.records.values() if r.resident is not None])
+        lent = self._lent_at_once()
+        spare = budget - self.memory.need(
+            activations=max(need, expected), resident=kept.total, in_flight=lent
+        )
+        if spare < 0:
+            return False
+        self.in_flight_room = lent + spare if self.counts_ram else None
+        return True
+
     def ran_eagerly(self, seconds: float, module_calls: int) -> None:
         """An entry point's call ran eagerly: capture from the next call on once the eager calls took
         about what capture is estimated to cost (when the estimate is right, the time lost against the
         better choice in hindsight is at most capture's cost)."""
         self.stats.eager_calls += 1
-        self._eager_seconds += seconds
         self._most_module_calls = max(self._most_module_calls, module_calls)
+        if not self.on:  # a call no graph served (``runs_uncaptured``)
+            self._uncaptured_calls += 1
+            self._uncaptured_seconds += seconds
+            return
+        self._eager_seconds += seconds
         worth_it = self._eager_seconds >= self._most_module_calls * _CAPTURE_SECONDS_PER_MODULE_CALL
         if self.on and not self.refused and worth_it:
             self.end(
@@ -184,6 +227,10 @@ class Deferral:
         self.in_flight_room = 0  # sized again by the next call that runs eagerly
         self._let_go(0)
         report("%s", why)
+
+    def _graph_capture_seconds(self) -> float:
+        """Capture's estimated cost of one graph (``_CAPTURE_SECONDS_PER_MODULE_CALL`` is for two)."""
+        return self._most_module_calls * _CAPTURE_SECONDS_PER_MODULE_CALL / 2
 
     def _lent_at_once(self) -> int:
         """What the module lent to an eager call can hold at most (its weights, or their mapped span)."""

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fxoffload_hf import eager_paths
-from fxoffload_hf.capture import compile_entry
+from fxoffload_hf.capture import compile_entry, graph_check
 from fxoffload_hf.eager_fallback import EagerWeights
 from fxoffload_hf.eager_forwards import unwrapped_forward
 from fxoffload_hf.eager_memory import eager_call_bytes
@@ -62,6 +62,7 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
     # made at the first call that captures (``torch.compile`` itself takes a fifth of a second, which a
     # deferred model's short job need not pay)
     compiled = functools.cache(lambda: compile_entry(original, engine))
+    served = graph_check(original)  # whether a captured graph serves a call
 
     @functools.wraps(original)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -74,13 +75,15 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
             capturing = False
             try:
                 deferral = engine.deferral
-                if engine.eager_depth or (
-                    deferral.on
-                    and deferral.runs_eagerly(
-                        eager_call_bytes(target, args, kwargs), engine.expected_activations
-                    )
-                ):
+                if engine.eager_depth:
                     return _run_eagerly(engine, eager, original, args, kwargs)
+                if deferral.on or deferral.deferred_capture:
+                    need = eager_call_bytes(target, args, kwargs)
+                    expected = engine.expected_activations
+                    if deferral.runs_eagerly(need, expected) or (
+                        graphs and not served(args, kwargs) and deferral.runs_uncaptured(need, expected)
+                    ):
+                        return _run_eagerly(engine, eager, original, args, kwargs)
                 engine.call_started = time.perf_counter()
                 capturing = True
                 return compiled()(*args, **kwargs)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fxoffload_hf
-from fxoffload_hf.capture import canonical_call
+from fxoffload_hf.capture import canonical_call, compile_entry, graph_check
 
 
 def _forward(input_ids, attention_mask=None, *, use_cache=None, **kwargs):
@@ -38,6 +38,24 @@ def test_extra_keywords_are_kept_and_bad_calls_are_left_to_fail_as_themselves():
     canonical = canonical_call(_forward)
     assert canonical((1,), {"output_attentions": True}) == ((), {"input_ids": 1, "output_attentions": True})
     assert canonical((1, 2, 3), {}) == ((1, 2, 3), {})  # too many positionals: the call raises its own error
+
+
+def test_graph_check_tells_the_calls_a_captured_graph_serves():
+    def scaled(x, mask=None, *, factor=2):  # a code object of its own: dynamo caches graphs per code
+        return x * factor if mask is None else x * mask
+
+    fn = _decorated(scaled)
+    compiled = compile_entry(fn, "eager")  # calls written in the canonical form, as graph_check asks
+    served = graph_check(fn)
+    x = torch.ones(3, 5)
+    assert not served((x,), {})  # nothing captured yet
+    compiled(x)
+    assert served((x,), {}) and served((), {"x": torch.ones(4, 7)})  # sizes are symbolic
+    assert not served((x, torch.ones(3, 5)), {})  # a mask where none was: dynamo would capture anew
+    assert not served((x,), {"factor": 3})  # an int dynamo specialised on
+    assert not served((x, 1, 2, 3), {})  # a call that cannot bind: left to fail as itself
+    compiled(x, torch.ones(3, 5))
+    assert served((x, torch.ones(3, 5)), {})
 
 
 @pytest.fixture(scope="module")

@@ -154,8 +154,46 @@ def test_a_call_whose_activations_cannot_fit_as_eager_code_is_captured(tmp_path,
         assert engine.stats.eager_calls == 1 and engine.runners == []
         assert torch.equal(logits(model, batch), logits(eager, batch))
         assert engine.stats.eager_calls == 1 and len(engine.runners) == 1 and not engine.deferring
+        part = batch[:2, :13].contiguous()  # (a strided view would be a graph of its own)
+        assert torch.equal(logits(model, part), logits(eager, part))
+        assert engine.stats.eager_calls == 1 and len(engine.runners) == 1  # the batch's graph serves it
+        # one sequence is a graph of its own (a size of 1): it runs eagerly while such calls are cheap
         assert torch.equal(logits(model, short), logits(eager, short))
-        assert engine.stats.eager_calls == 1
+        assert engine.stats.eager_calls == 2 and len(engine.runners) == 1
+        long = torch.randint(0, 1000, (1, 160), generator=torch.Generator().manual_seed(3))
+        assert eager_call_bytes(model, (long,), {}) > eager_call_bytes(model, (batch,), {})
+        assert torch.equal(logits(model, long), logits(eager, long))  # no graph, too large to run eagerly
+        assert engine.stats.eager_calls == 2 and len(engine.runners) == 2
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_a_call_no_graph_serves_runs_eagerly_until_eager_calls_took_what_its_capture_costs(
+    tmp_path, save_checkpoint, logits, monkeypatch
+):
+    """After deferring ended, a call of a new kind (a plain forward after a generate) is not captured at
+    once: it runs eagerly while such calls have taken less than one graph's capture is estimated to
+    cost, then is captured; calls a graph serves never run eagerly."""
+    eager = save_checkpoint("llama", tmp_path)
+    ids = torch.randint(0, 1000, (1, 7), generator=torch.Generator().manual_seed(4))
+    expected = _generate(eager, ids)
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="1MiB", device="cpu", capture="deferred")
+    engine = fxoffload_hf.engine_of(model)
+    try:
+        monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
+        assert torch.equal(_generate(model, ids), expected)  # the prefill eager, the decode steps captured
+        assert not engine.deferring and len(engine.runners) == 1 and engine.stats.eager_calls == 1
+        monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 1e9)
+        for _ in range(2):
+            assert torch.equal(logits(model, ids), logits(eager, ids))
+        assert torch.equal(_generate(model, ids), expected)  # the decode graph serves; the prefill is eager
+        assert len(engine.runners) == 1 and engine.stats.eager_calls == 4
+        monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 1e-9)
+        assert torch.equal(logits(model, ids), logits(eager, ids))  # worth a graph now: captured
+        assert len(engine.runners) == 2 and engine.stats.eager_calls == 4
+        monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 1e9)
+        assert torch.equal(logits(model, ids), logits(eager, ids))  # served by that graph
+        assert len(engine.runners) == 2 and engine.stats.eager_calls == 4
     finally:
         fxoffload_hf.restore(model)
 
