@@ -226,8 +226,9 @@ class EagerWeights:
     def _ways(self, module: nn.Module, ghosts: list[nn.Parameter]) -> list[Way]:
         """How each ghost's weight comes in for an eager call, as the runner's loads bring it in (a plain
         embedding's table read by rows)."""
-        rows_only = reads_rows(module)
-        return [way_of(_record(g), g.device.type, rows_only=rows_only) for g in ghosts]
+        return [
+            way_of(_record(g), g.device.type, rows_only=reads_rows(module, g.device.type)) for g in ghosts
+        ]
 
     def in_tiles(self, module: nn.Module) -> bool:
         """Whether an eager call of ``module`` is computed in tiles now."""
@@ -380,12 +381,12 @@ def _used_whole(
 ) -> list[tuple[WeightRecord, Way]]:
     """The weights an eager call of ``module`` uses whole, with the way each comes: not a table it reads
     rows of where the table lies, nor a weight it computes with in tiles (``tiled``)."""
-    by_rows = reads_rows(module)
     weight = module._parameters.get("weight")
     return [
         (_record(g), way)
         for g, way in zip(ghosts, ways, strict=True)
-        if not (by_rows and way in ROWS_WHERE_THEY_LIE) and not (tiled and g is weight)
+        if not (way in ROWS_WHERE_THEY_LIE and reads_rows(module, g.device.type))
+        and not (tiled and g is weight)
     ]
 
 

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch._dynamo.eval_frame import skip_code
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from fxoffload_hf.row_lookups import gather_rows
 
@@ -72,7 +74,7 @@ class LendsAfterBreak(ReplacedForward):
 
 
 def _lending_forward(module: nn.Module, original: Any, hooks: EagerWeights) -> Any:
-    by_rows = reads_rows(module)
+    by_rows = plain_lookup(module)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if by_rows and args and module.weight.device != args[0].device:
@@ -115,7 +117,57 @@ def unwrapped_forward(forward: Any) -> Any:
     return forward.__wrapped__ if getattr(forward, "lends_weights", False) else forward
 
 
-def reads_rows(module: nn.Module) -> bool:
-    """Whether ``module`` is a plain ``nn.Embedding`` (its own forward, no ``max_norm``): its calls read
-    rows of its table, which can be lent where it lies."""
+def plain_lookup(module: nn.Module) -> bool:
+    """Whether ``module`` is a plain ``nn.Embedding`` (its own forward, no ``max_norm``): its call is one
+    lookup, which rows gathered where the table lies can stand in for."""
     return type(module).forward is nn.Embedding.forward and getattr(module, "max_norm", 1) is None
+
+
+def reads_rows(module: nn.Module, device_type: str) -> bool:
+    """Whether an eager call of ``module`` on ``device_type`` reads only rows of its table, so that the
+    table is lent where it lies (its rows read as looked up): a plain ``nn.Embedding``; on the CPU, where
+    the module's own forward runs on the lent table, also an embedding whose forward touches its table
+    only through lookups (Transformers' scaled word embeddings, ``super().forward(ids) * scale``),
+    checked once per class by running it on one token (``_looks_up_only``)."""
+    if plain_lookup(module):
+        return True
+    if device_type != "cpu" or not isinstance(module, nn.Embedding) or module.max_norm is not None:
+        return False
+    known = _LOOKS_UP_ONLY.get(type(module))
+    if known is None:
+        known = _LOOKS_UP_ONLY[type(module)] = _looks_up_only(module)
+    return known
+
+
+_LOOKS_UP_ONLY: dict[type, bool] = {}  # by embedding class with a forward of its own
+
+
+class _TableUses(TorchDispatchMode):
+    """Records the ops that take ``table`` as an argument."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.table = table
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if any(leaf is self.table for leaf in tree_leaves((args, kwargs))):
+            self.ops.add(str(func.overloadpacket))
+        return func(*args, **kwargs)
+
+
+@torch.compiler.disable
+def _looks_up_only(module: nn.Embedding) -> bool:
+    """Whether ``module``'s forward, called with one token id, passes its table to no op but lookups
+    (reading ``.dtype`` or ``.device`` is no op). A forward that needs other arguments (a positional
+    embedding computing its positions) or fails is taken as reading more."""
+    table = module.weight
+    ids = torch.zeros(1, 1, dtype=torch.long, device=table.device)
+    uses = _TableUses(table)
+    try:
+        with uses, torch.no_grad():
+            type(module).forward(module, ids)
+    except Exception:  # noqa: BLE001 - any failure: lent whole, as before this check
+        return False
+    return uses.ops == {"aten.embedding"}

@@ -38,10 +38,12 @@ from fxoffload_hf.weights import WeightStore
 # a tile takes at most this share of the room for weights (held twice on the CPU while it computes), as a
 # graph's tiles do: the room left keeps other weights for eager calls
 _TILE_SHARE = 4
-# and an eager call cuts a weight into at most this many tiles: a tile computes the whole projection until
-# its shape is seen to compute alone exactly (``tile_products``), so a call that needs smaller ones is
-# captured instead (its pieces stream beside the compute)
-MOST_TILES = 8
+# and an eager call cuts a weight into at most this many tiles: each tile's first call of a shape computes
+# the whole projection too, to learn whether the tile alone rounds as it (``tile_products``); later calls
+# compute alone. A call that needs smaller tiles is captured instead. (8 until tiles computed alone: a
+# tied 32,000 x 256 table then needed 7.8 MiB lent, and such models were refused at a quarter of their
+# weights, where capture's graphs' state does not fit either.)
+MOST_TILES = 32
 
 
 def projects_by_rows(module: nn.Module) -> bool:

@@ -47,7 +47,7 @@ def eager_floor(model: nn.Module, ids: torch.Tensor, fixed: int, device_type: st
     if bound is None:
         return EagerFloor(None, "its calls cannot be bounded from the config and inputs: they are captured")
     rest = f"{format_bytes(bound)} of the call's activations and KV cache + {format_bytes(fixed)} of small tensors"
-    lent = _lent_modules(model)
+    lent = _lent_modules(model, device_type)
     if not lent:
         return EagerFloor(fixed + bound, rest)
     # the least room for weights beside the call where the largest module fits, projections too large
@@ -79,12 +79,12 @@ def _in_tiles(lent: list[_Lent], room: int, device_type: str) -> tuple[int, str]
     return max(held)
 
 
-def _lent_modules(model: nn.Module) -> list[_Lent]:
+def _lent_modules(model: nn.Module, device_type: str) -> list[_Lent]:
     """The modules holding weights large enough to stream (``RESIDENT_THRESHOLD``), with what an eager
     call lends them whole: not a plain embedding's table, read by rows where it lies."""
     out = []
     for name, module in model.named_modules():
-        if reads_rows(module):
+        if reads_rows(module, device_type):
             continue
         sizes = {
             attr: nbytes(p.shape, p.element_size())

@@ -103,6 +103,11 @@ def checkpoint_config(arch: str):
         )  # fmt: skip
     if arch == "gpt2-vocab-heavy":  # its output head tied to the embedding table (31 MiB)
         return tf.GPT2Config(n_layer=2, n_head=4, n_embd=256, vocab_size=32000)
+    if arch == "gemma2-vocab-heavy":  # tied too, its table read by a scaled embedding's own forward
+        return tf.Gemma2Config(
+            vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        )  # fmt: skip
     if arch == "qwen2":
         return tf.Qwen2Config(num_key_value_heads=2, **small)
     if arch == "mistral":

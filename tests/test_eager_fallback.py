@@ -14,7 +14,7 @@ from torch import nn
 import fxoffload_hf
 from fxoffload_hf.capture import handle_of
 from fxoffload_hf.eager_fallback import EagerFallbackWarning
-from fxoffload_hf.eager_forwards import reads_rows
+from fxoffload_hf.eager_forwards import plain_lookup, reads_rows
 from fxoffload_hf.memory_model import BudgetTooSmallError
 
 
@@ -344,15 +344,31 @@ def test_an_eager_call_whose_weights_cannot_fit_whole_is_refused_naming_the_modu
         fxoffload_hf.restore(model)
 
 
-class _ScaledEmbedding(nn.Embedding):
+class _ScaledEmbedding(nn.Embedding):  # Transformers' scaled word embeddings, in short
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return super().forward(ids) * 2.0
 
 
-def test_only_plain_embeddings_are_lent_their_table_where_it_lies() -> None:
-    """A plain ``nn.Embedding`` reads rows of its table (lent where it lies, gathered there on CUDA); one
-    with its own forward or a ``max_norm`` (which writes the table) is lent its table whole."""
-    assert reads_rows(nn.Embedding(10, 4))
-    assert not reads_rows(nn.Embedding(10, 4, max_norm=1.0))
-    assert not reads_rows(_ScaledEmbedding(10, 4))
-    assert not reads_rows(nn.Linear(4, 4))
+class _TableTimesTwo(nn.Embedding):  # computes with the whole table
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.weight * 2.0)
+
+
+class _Positions(nn.Embedding):  # a learned positional embedding: its forward takes other arguments
+    def forward(self, length: int, offset: int) -> torch.Tensor:
+        return super().forward(torch.arange(offset, offset + length))
+
+
+def test_embeddings_whose_calls_only_look_rows_up_are_lent_their_table_where_it_lies() -> None:
+    """A plain ``nn.Embedding`` reads rows of its table (lent where it lies, gathered there on CUDA); on
+    the CPU so does one whose forward passes its table to lookups only (run on the lent table); one that
+    computes with the whole table, takes other arguments or has a ``max_norm`` (which writes the table)
+    is lent its table whole."""
+    assert reads_rows(nn.Embedding(10, 4), "cpu") and reads_rows(nn.Embedding(10, 4), "cuda")
+    assert plain_lookup(nn.Embedding(10, 4)) and not plain_lookup(_ScaledEmbedding(10, 4))
+    assert not reads_rows(nn.Embedding(10, 4, max_norm=1.0), "cpu")
+    assert reads_rows(_ScaledEmbedding(10, 4), "cpu")
+    assert not reads_rows(_ScaledEmbedding(10, 4), "cuda")  # rows gathered on the host skip its forward
+    assert not reads_rows(_TableTimesTwo(10, 4), "cpu")
+    assert not reads_rows(_Positions(10, 4), "cpu")
+    assert not reads_rows(nn.Linear(4, 4), "cpu")
