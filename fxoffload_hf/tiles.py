@@ -205,7 +205,8 @@ def tile_oversized(
     # tiles hold one more output of their projection while they compute: the room is what is left
     activations = _activations_when_tiled(gm, facts, tileable, op) if tileable else facts.activation_bytes
     activations = max(activations, expected)
-    room = memory.budget - memory.fixed_bytes - activations  # type: ignore[operator]
+    room = memory.room(activations)
+    assert room is not None
     todo, short = [], []  # short: (the budget it needs, why)
     for node in whole:
         record, blocker = records[facts.names[node]], blocking_use(node)

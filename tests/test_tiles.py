@@ -200,3 +200,19 @@ def test_tiles_mapped_from_their_file_or_copied_equal_eager(tmp_path, tile_holds
     finally:
         fxoffload_hf.restore(model)
     assert tile_holds and set(tile_holds) == ({"hold_file"} if data_start == 0 else {"hold"})
+
+
+@pytest.mark.usefixtures("counted_graph_state")
+def test_tiles_are_sized_beside_the_graphs_state(tmp_path, save_checkpoint, logits) -> None:
+    """Tiles take their share of the room the captured graphs' state and the capture's transient leave:
+    sized as if that room were the budget's, they did not fit once partitioned, and each refusal named a
+    budget that was refused again (12 MiB: "pass 13.3 MiB"; 14 MiB: "pass 14.3 MiB")."""
+    eager = save_checkpoint("llama-vocab-heavy", tmp_path)
+    ids = torch.randint(1, 32000, (1, 9), generator=torch.Generator().manual_seed(2))
+    for budget in ("12MiB", "14MiB"):
+        model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=budget, device="cpu", capture="first-call")
+        try:
+            assert torch.equal(logits(model, ids), logits(eager, ids))
+            assert len(fxoffload_hf.engine_of(model).runners) == 1
+        finally:
+            fxoffload_hf.restore(model)
