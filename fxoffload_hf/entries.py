@@ -77,11 +77,16 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                 deferral = engine.deferral
                 if engine.eager_depth:
                     return _run_eagerly(engine, eager, original, args, kwargs)
-                if deferral.on or deferral.deferred_capture:
+                # after deferring ended, only a call no graph serves may run eagerly: the calls graphs
+                # serve (every decode step) are not bounded at all
+                uncaptured = (
+                    not deferral.on and deferral.deferred_capture and graphs and not served(args, kwargs)
+                )
+                if deferral.on or uncaptured:
                     need = eager_call_bytes(target, args, kwargs)
                     expected = engine.expected_activations
                     if deferral.runs_eagerly(need, expected) or (
-                        graphs and not served(args, kwargs) and deferral.runs_uncaptured(need, expected)
+                        uncaptured and deferral.runs_uncaptured(need, expected)
                     ):
                         return _run_eagerly(engine, eager, original, args, kwargs)
                 engine.call_started = time.perf_counter()
