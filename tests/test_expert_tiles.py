@@ -65,11 +65,11 @@ def _moe(config, folder, dtype=torch.float32) -> torch.nn.Module:
     ("arch", "share"), [("mixtral-8-experts", 0.08), ("qwen3_moe", 0.1), ("gpt_oss", 0.1)]
 )
 def test_moe_models_stream_their_experts_in_tiles_and_equal_eager(
-    arch, share, tmp_path, checkpoint_config
+    arch, share, tmp_path, checkpoint_config, weight_bytes
 ) -> None:
     """At budgets below one stacked weight (it needs 26-30% of these models' weights), in captured graphs."""
     eager = _moe(checkpoint_config(arch), tmp_path)
-    weights = sum(p.numel() * p.element_size() for p in eager.parameters())
+    weights = weight_bytes(eager)
     largest = max(p.numel() * p.element_size() for p in eager.parameters())
     ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(1))
     greedy = {"max_new_tokens": 4, "do_sample": False}
@@ -122,7 +122,9 @@ def test_the_plans_floor_is_set_by_a_tile_of_experts(tmp_path, checkpoint_config
         fxoffload_hf.restore(model)
 
 
-def test_a_bf16_moe_model_is_captured_with_its_experts_in_tiles(tmp_path, checkpoint_config) -> None:
+def test_a_bf16_moe_model_is_captured_with_its_experts_in_tiles(
+    tmp_path, checkpoint_config, weight_bytes
+) -> None:
     """torch's grouped product (Transformers' choice for bf16) checks the weight's strides as it traces,
     which a ghost lacks: traced calls of an offloaded model on the CPU take Transformers' fallback, the
     same per-expert products (``eager_paths``). Against Transformers' own load of the checkpoint (a model
@@ -130,7 +132,7 @@ def test_a_bf16_moe_model_is_captured_with_its_experts_in_tiles(tmp_path, checkp
     _moe(checkpoint_config("mixtral-8-experts"), tmp_path, torch.bfloat16)
     eager = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert eager.dtype == torch.bfloat16
-    weights = sum(p.numel() * p.element_size() for p in eager.parameters())
+    weights = weight_bytes(eager)
     ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(1))
     greedy = {"max_new_tokens": 4, "do_sample": False}
     with torch.no_grad():

@@ -409,7 +409,7 @@ def test_a_block_of_generates_on_the_gpu_equals_the_calls_one_by_one(build_model
         fxoffload_hf.restore(model)
 
 
-def test_a_bf16_moe_model_is_captured_on_the_gpu(tmp_path, checkpoint_config):
+def test_a_bf16_moe_model_is_captured_on_the_gpu(tmp_path, checkpoint_config, weight_bytes):
     """Traced calls take Transformers' per-expert fallback where eager takes cuBLAS' grouped product
     (``eager_paths``): greedy tokens equal, logits close; whether bit for bit is told as a warning."""
     import transformers
@@ -418,7 +418,7 @@ def test_a_bf16_moe_model_is_captured_on_the_gpu(tmp_path, checkpoint_config):
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path)
     eager = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval().cuda()
-    weights = sum(p.numel() * p.element_size() for p in eager.parameters())
+    weights = weight_bytes(eager)
     ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(1)).cuda()
     greedy = {"max_new_tokens": 4, "do_sample": False}
     with torch.no_grad():
