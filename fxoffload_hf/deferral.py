@@ -34,6 +34,10 @@ from fxoffload_hf.weights import HeldBytes, WeightStore
 # neighbours once per graph, and generate captures two. Measured here on a 10-layer Llama (72 such
 # modules): about 7.5 s for both graphs, 0.1 s a module.
 _CAPTURE_SECONDS_PER_MODULE_CALL = 0.1
+# A captured graph's nodes per torch operation its eager call ran, at least (``eager_ops``; measured on
+# twelve architectures, dense, mixtures of experts and Mamba, prefill and decode: 0.80 to 1.04): below
+# it, a capture's state is not overestimated, so no capture that could fit is skipped.
+_GRAPH_NODES_PER_OP = 0.75
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,13 @@ class Deferral:
     """The deferred-capture state of one model's engine."""
 
     def __init__(
-        self, on: bool, memory: MemoryModel, store: WeightStore, counts_ram: bool, stats: Stats
+        self,
+        on: bool,
+        memory: MemoryModel,
+        store: WeightStore,
+        counts_ram: bool,
+        stats: Stats,
+        counts_graph_state: bool = False,
     ) -> None:
         self.on = on  # calls run eagerly (while they fit)
         self.deferred_capture = on  # capture="deferred" was asked for
@@ -74,6 +84,9 @@ class Deferral:
         # keeps none for eager calls
         self.counts_ram = counts_ram
         self.stats = stats
+        # the budget counts captured graphs' state (``Engine._count_graph_state``): a capture can be seen
+        # not to fit before it is traced (``capture_cannot_fit``)
+        self.counts_graph_state = counts_graph_state
         self.lending = Lending()  # how eager calls are lent weights now
         # where projections can be computed in tiles (``eager_tiles``), sized for the room beside a call:
         # turned on only by a call that does not fit as lent now and fits with them (tiles compute the
@@ -89,6 +102,8 @@ class Deferral:
         self._largest_need = 0  # the largest bound of an eager call so far
         self._eager_seconds = 0.0
         self._most_module_calls = 0  # lent in one eager call, at most
+        # torch operations the last two eager calls ran (``eager_ops``)
+        self._recent_ops: tuple[int, ...] = ()
         # calls no graph served after deferring ended, run eagerly since the last capture, and their seconds
         self._uncaptured_calls = 0
         self._uncaptured_seconds = 0.0
@@ -126,6 +141,9 @@ class Deferral:
             if tiles is not None:  # the fewest bytes a call can be lent: projections in their smallest tiles
                 lent = min(lent, tiles.lending_in_tiles(0).largest)
             self.eager_floor = self.memory.need(activations=activations, in_flight=lent)
+            least = self.capture_cannot_fit(expected=expected, transient=False)
+            if least is not None and self.eager_floor <= least:
+                raise self._too_small_to_capture(need, least, self.eager_floor)
         detail = (
             "its activations cannot be bounded from its inputs and the config"
             if need is None
@@ -144,7 +162,9 @@ class Deferral:
         whole, with ``expected`` bytes of a generate's KV caches. Nothing is let go for it."""
         if self.on or not self.deferred_capture or need is None:
             return False
-        if self._uncaptured_seconds >= self._graph_capture_seconds():
+        if self._uncaptured_seconds >= self._graph_capture_seconds() and not self._cannot_capture(
+            "for a call no graph serves"
+        ):
             report(
                 "capturing a new graph from this call: %d eager calls no graph served took %.1f s, about "
                 "what its capture is estimated to take",
@@ -167,19 +187,22 @@ class Deferral:
         self.in_flight_room = lent + spare if self.counts_ram else None
         return True
 
-    def ran_eagerly(self, seconds: float, module_calls: int) -> None:
-        """An entry point's call ran eagerly: capture from the next call on once the eager calls took
-        about what capture is estimated to cost (when the estimate is right, the time lost against the
-        better choice in hindsight is at most capture's cost)."""
+    def ran_eagerly(self, seconds: float, module_calls: int, ops: int = 0) -> None:
+        """An entry point's call ran eagerly, ``ops`` torch operations in all: capture from the next call
+        on once the eager calls took about what capture is estimated to cost (when the estimate is right,
+        the time lost against the better choice in hindsight is at most capture's cost), unless such a
+        capture cannot fit the budget (``capture_cannot_fit``)."""
         self.stats.eager_calls += 1
         self._most_module_calls = max(self._most_module_calls, module_calls)
+        if ops:
+            self._recent_ops = (*self._recent_ops[-1:], ops)
         if not self.on:  # a call no graph served (``runs_uncaptured``)
             self._uncaptured_calls += 1
             self._uncaptured_seconds += seconds
             return
         self._eager_seconds += seconds
         worth_it = self._eager_seconds >= self._most_module_calls * _CAPTURE_SECONDS_PER_MODULE_CALL
-        if self.on and not self.refused and worth_it:
+        if self.on and not self.refused and worth_it and not self._cannot_capture("for speed"):
             self.end(
                 f"capturing from the next call: {self.stats.eager_calls} eager calls took "
                 f"{self._eager_seconds:.1f} s, about what capture is estimated to take",
@@ -188,7 +211,7 @@ class Deferral:
 
     def block_starts(self, calls: int) -> None:
         """A block of ``calls`` calls is about to run: eager calls would each read every weight."""
-        if self.on and not self.refused:
+        if self.on and not self.refused and not self._cannot_capture(f"for a block of {calls} calls"):
             self.end(
                 f"capturing from this block of {calls} calls: each weight is then read once for all", True
             )
@@ -227,6 +250,64 @@ class Deferral:
         self.in_flight_room = 0  # sized again by the next call that runs eagerly
         self._let_go(0)
         report("%s", why)
+
+    def capture_cannot_fit(self, *, expected: int = 0, transient: bool = True) -> int | None:
+        """Where capturing a call like the recent eager ones surely needs more than the budget, the least
+        it would need: its graph's state (from the operations those calls ran, ``eager_ops``) beside what
+        is counted now and ``expected`` bytes of a generate's KV caches (a captured call's activations are
+        at least those), with no weights; with ``transient``, also the capture's transient as large as the
+        state (as the engine counts it for one graph: a call dynamo splits into several holds each graph's
+        in turn, so only the bound without it is sure for every call). None where it may fit, or nothing
+        tells (the budget does not count graphs' state, no call was counted)."""
+        budget = self.memory.budget
+        if not self.counts_graph_state or budget is None or not self._recent_ops:
+            return None
+        captured = self.memory.with_graph(self._predicted_nodes())
+        if not transient:
+            captured = captured.with_capture_reserve(0)
+        least = captured.need(activations=expected)
+        return least if least > budget else None
+
+    def _cannot_capture(self, why: str) -> bool:
+        """Whether a capture chosen ``why`` surely cannot fit (``capture_cannot_fit``): then calls go on
+        eagerly, and capture is not chosen for speed again (nothing is traced: a refused capture costs
+        its tracing and leaves host memory behind)."""
+        least = self.capture_cannot_fit()
+        if least is None:
+            return False
+        self.refused = True
+        self._uncaptured_calls, self._uncaptured_seconds = 0, 0.0
+        report(
+            "not capturing %s: a graph of about %d ops would need at least %s for its state and its capture "
+            "beside what is counted, more than %s=%s; calls go on eagerly",
+            why,
+            self._predicted_nodes(),
+            format_bytes(least),
+            self.memory.budget_name,
+            format_bytes(self.memory.budget),
+        )
+        return True
+
+    def _too_small_to_capture(self, need: int, least: int, floor: int) -> BudgetTooSmallError:
+        """The refusal of a call that fits neither as eager code nor, surely, captured: it names the
+        budget its eager calls need (the smaller), with nothing traced."""
+        name = self.memory.budget_name
+        return BudgetTooSmallError(
+            f"{name}={format_bytes(self.memory.budget)} is too small for this call: as eager code its "
+            f"activations (at most {format_bytes(need)}) and the largest module's weights "
+            f"({self.lending.largest_name}: {format_bytes(self.lending.largest)}) need {format_bytes(floor)}, "
+            f"and captured, a graph of about {self._predicted_nodes()} ops would need at least "
+            f"{format_bytes(least)} for its state and its capture. Pass {name}={floor} or more to run its "
+            "calls as eager code, each module lent its weights in turn, or call it with a smaller batch or "
+            "shorter inputs",
+            smallest_budget=floor,
+        )
+
+    def _predicted_nodes(self) -> int:
+        """The fewest nodes the graph of a call like the recent eager ones would have: of the fewer of the
+        last two (a generate's prefill and decode steps run different code in some models), at
+        ``_GRAPH_NODES_PER_OP``."""
+        return int(min(self._recent_ops, default=0) * _GRAPH_NODES_PER_OP)
 
     def _graph_capture_seconds(self) -> float:
         """Capture's estimated cost of one graph (``_CAPTURE_SECONDS_PER_MODULE_CALL`` is for two)."""

@@ -29,6 +29,7 @@ from fxoffload_hf.capture import handle_of
 from fxoffload_hf.cohort import SharedLock
 from fxoffload_hf.deferral import Lending
 from fxoffload_hf.eager_forwards import EagerForward, LendsAfterBreak, reads_rows
+from fxoffload_hf.eager_ops import uncounted
 from fxoffload_hf.eager_read_ahead import ReadAhead
 from fxoffload_hf.eager_tiles import project_in_tiles, projects_by_rows, rows_per_eager_tile, tile_bytes
 from fxoffload_hf.loaders import ROWS_WHERE_THEY_LIE, Way, way_of
@@ -164,6 +165,10 @@ class EagerWeights:
     def before(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_dynamo_compiling():
             return
+        with uncounted():  # lending has no node in a captured graph (``eager_ops``)
+            self._lend(module)
+
+    def _lend(self, module: nn.Module) -> None:
         # released by ``after``, which runs when the forward raises an Exception; a KeyboardInterrupt
         # skips it (torch runs always-call hooks for Exceptions only): the entry point ``unwind``s then
         self.lock.acquire()
@@ -241,7 +246,8 @@ class EagerWeights:
         """The eager call of a projection computed in tiles (``tile_projections``); its bias is lent."""
         weight, bias = module._parameters["weight"], module._parameters.get("bias")
         assert weight is not None
-        return project_in_tiles(x, weight, bias, self.store, self.tile_rows[module])
+        with uncounted():  # one node in a captured graph (counted as the module's own call)
+            return project_in_tiles(x, weight, bias, self.store, self.tile_rows[module])
 
     def _tile_bytes(self, module: nn.Module) -> int:
         """What a tile of ``module``'s weight holds while it computes; 0 where it is lent whole."""
@@ -324,7 +330,8 @@ class EagerWeights:
         # inside the call): only a call whose pre-hook gave values has any to take back
         if torch.compiler.is_dynamo_compiling() or not self._lent.get(module):
             return
-        self._release(module)
+        with uncounted():
+            self._release(module)
 
     def mark(self) -> int:
         """How many lends are open now: give it to ``unwind``."""
@@ -364,7 +371,7 @@ class EagerWeights:
             "call outside the streamed schedule: exact, but slower. Remove the graph break "
             "(TORCH_LOGS=graph_breaks shows it) to stream them",
             EagerFallbackWarning,
-            stacklevel=3,
+            stacklevel=4,  # the module call that ran it (through before and _lend)
         )
 
 

@@ -82,12 +82,19 @@ class Engine:
         self.call_started = time.perf_counter()  # set by the entry point at each call: capture timing
         # capture="deferred": calls run eagerly while they fit (``deferral``)
         counts_ram = config.device.type != "cpu" or config.cpu_memory is not None
-        self.deferral = Deferral(config.capture == "deferred", memory, store, counts_ram, self.stats)
+        self._counts_graph_state = counts_graph_state()
+        self.deferral = Deferral(
+            config.capture == "deferred",
+            memory,
+            store,
+            counts_ram,
+            self.stats,
+            counts_graph_state=self._counts_graph_state and memory.budget_name == "cpu_memory",
+        )
         self.eager_depth = 0  # entry-point calls running eagerly now (nested entry points inside one)
         # whatever else checks the budget (the deferral, eager calls' lent weights): given the memory model
         # again when captured graphs' state is counted in it (``_count_graph_state``)
         self.memory_holders: list[Deferral | EagerWeights] = [self.deferral]
-        self._counts_graph_state = counts_graph_state()
         self._graphs_expected = 0  # runners there will be once the captures a call expects are made
 
     @property

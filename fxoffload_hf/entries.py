@@ -17,6 +17,7 @@ from fxoffload_hf.capture import compile_entry, graph_check
 from fxoffload_hf.eager_fallback import EagerWeights
 from fxoffload_hf.eager_forwards import unwrapped_forward
 from fxoffload_hf.eager_memory import eager_call_bytes
+from fxoffload_hf.eager_ops import OpCounter
 from fxoffload_hf.engine import Engine
 from fxoffload_hf.generate_memory import counting_kv
 from fxoffload_hf.memory_model import BudgetTooSmallError
@@ -130,10 +131,12 @@ def _run_eagerly(
     eager.warn = False
     eager.ahead.room = engine.deferral.in_flight_room
     engine.eager_depth += 1
+    counter = OpCounter()  # the size of the graph a capture of this call would hold (``eager_ops``)
     try:
-        return original(*args, **kwargs)
+        with counter:
+            return original(*args, **kwargs)
     finally:
         engine.eager_depth -= 1
         eager.ahead.stop()
         eager.warn = warned
-        engine.deferral.ran_eagerly(time.perf_counter() - start, eager.lends - lent_before)
+        engine.deferral.ran_eagerly(time.perf_counter() - start, eager.lends - lent_before, counter.ops)

@@ -9,6 +9,7 @@ import torch
 
 import fxoffload_hf
 import fxoffload_hf.deferral
+import fxoffload_hf.engine
 from fxoffload_hf.eager_fallback import EagerFallbackWarning
 from fxoffload_hf.eager_memory import eager_call_bytes
 from fxoffload_hf.planner import kept_bytes
@@ -300,12 +301,57 @@ def test_a_refusal_for_a_graphs_state_names_the_smaller_budget_eager_calls_need(
     try:
         assert torch.equal(logits(model, batch), logits(eager, batch))
         assert engine.stats.eager_calls == 1 and engine.runners == []
-        # a capture chosen for speed is refused here: calls stay eager, and the refused graph's state is
-        # not counted (it was not kept), so later eager calls have the budget they had
+        # a capture chosen for speed cannot fit here, as the eager call's operations tell (its graph's
+        # state alone outweighs the budget): calls stay eager, and nothing is traced
+        traced = _backend_calls(monkeypatch)
         monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
         assert torch.equal(logits(model, batch), logits(eager, batch))
         assert torch.equal(logits(model, batch), logits(eager, batch))
         assert engine.deferral.refused and engine.runners == [] and engine.stats.eager_calls == 3
-        assert engine.memory.graph_bytes == 0 and engine.memory.capture_reserve == 0
+        assert traced == [] and engine.memory.graph_bytes == 0 and engine.memory.capture_reserve == 0
     finally:
         fxoffload_hf.restore(model)
+
+
+@pytest.mark.usefixtures("counted_graph_state")
+def test_a_call_that_surely_cannot_be_captured_is_refused_before_anything_is_traced(
+    tmp_path, save_checkpoint, logits, monkeypatch, deferred_refusal
+):
+    """Once an eager call has been counted (its torch operations: about its graph's nodes), a later call
+    that fits neither as eager code nor, surely, captured (the graph's state alone outweighs the budget)
+    is refused before dynamo traces it, naming the budget its eager calls need, as the refusal of its
+    capture did; the model goes on, and that budget runs the call."""
+    eager = save_checkpoint("llama", tmp_path)
+    short = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(1))
+    batch = torch.randint(0, 1000, (4, 40), generator=torch.Generator().manual_seed(2))
+    floor = deferred_refusal(tmp_path, "2MiB", batch, "captured graphs' state").smallest_budget  # traced
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=floor - 1, device="cpu", capture="deferred")
+    engine = fxoffload_hf.engine_of(model)
+    try:
+        assert torch.equal(logits(model, short), logits(eager, short))  # eager, counted
+        traced = _backend_calls(monkeypatch)
+        with pytest.raises(fxoffload_hf.BudgetTooSmallError, match="as eager code its activations") as info:
+            logits(model, batch)
+        assert info.value.smallest_budget == floor and f"Pass cpu_memory={floor} or more" in str(info.value)
+        assert traced == [] and engine.deferring and engine.memory.graph_bytes == 0
+        assert torch.equal(logits(model, short), logits(eager, short))
+    finally:
+        fxoffload_hf.restore(model)
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=floor, device="cpu", capture="deferred")
+    try:
+        assert torch.equal(logits(model, batch), logits(eager, batch))
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def _backend_calls(monkeypatch) -> list[int]:
+    """The graphs dynamo hands the engine from now on (their node counts): a spy on ``Engine.__call__``."""
+    calls: list[int] = []
+    backend = fxoffload_hf.engine.Engine.__call__
+
+    def spy(self, gm, example_inputs):
+        calls.append(len(gm.graph.nodes))
+        return backend(self, gm, example_inputs)
+
+    monkeypatch.setattr(fxoffload_hf.engine.Engine, "__call__", spy)
+    return calls
