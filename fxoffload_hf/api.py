@@ -15,7 +15,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from fxoffload_hf import align, eager_paths, entries, tiles
+from fxoffload_hf import align, eager_paths, entries, host_room, tiles
 from fxoffload_hf.capture import (
     HANDLE_ATTR,
     GhostHandle,
@@ -135,7 +135,7 @@ def offload(
         if config.device.type == "cuda":
             if store.bytes_in(Tier.DISK):
                 with stage("weights read into host RAM for %s: %s", config.device, store):
-                    store.read_into_ram(_host_room(store, config))
+                    host_room.read_into_ram(store, _host_room(store, config))
             store.pin_host_memory()
         holders = _install_ghosts(large, store, config.device, undo)
         eager = _guard_modules(model, holders, engine, undo)

@@ -25,9 +25,10 @@ from fxoffload_hf.deferral import Deferral
 from fxoffload_hf.eager_fallback import EagerWeights
 from fxoffload_hf.graph_entry import GraphEntry
 from fxoffload_hf.graphs import call_inputs, capture_device, graph_facts, retarget_devices
+from fxoffload_hf.host_room import fit_host
 from fxoffload_hf.loaders import DeviceOps, InlineReader, ThreadedReader, make_loader
 from fxoffload_hf.memory import return_large_frees_to_the_os
-from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, format_bytes
+from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, format_bytes, graph_state_bytes
 from fxoffload_hf.partition import Partition
 from fxoffload_hf.planner import GraphInput, ModelPlan, partition_for_budget, plan_model, sizes_for_budget
 from fxoffload_hf.program import build_program
@@ -96,6 +97,7 @@ class Engine:
         # again when captured graphs' state is counted in it (``_count_graph_state``)
         self.memory_holders: list[Deferral | EagerWeights] = [self.deferral]
         self._graphs_expected = 0  # runners there will be once the captures a call expects are made
+        self.host_graph_bytes = 0  # captured graphs' state charged to cpu_memory on a GPU run (``host_room``)
 
     @property
     def deferring(self) -> bool:
@@ -110,12 +112,14 @@ class Engine:
         if traced_on is not None and traced_on != self.device:
             retarget_devices(gm.graph, traced_on, self.device)
             gm.recompile()
-        counted = self.memory
+        counted, host_counted = self.memory, self.host_graph_bytes
         self._count_graph_state(len(gm.graph.nodes))
         try:
             return self._entry(gm, example_inputs, received)
         except BudgetTooSmallError:
-            self._set_memory(counted)  # a refused graph is not kept: nor is its state counted
+            # a refused graph is not kept: nor is its state counted
+            self._set_memory(counted)
+            self.host_graph_bytes = host_counted
             raise
 
     def _entry(self, gm: fx.GraphModule, example_inputs: list[Any], received: float) -> GraphEntry:
@@ -182,7 +186,14 @@ class Engine:
 
     def _count_graph_state(self, ops: int) -> None:
         """Count a new graph's state (dynamo's and ours, in host memory) in a CPU budget, before its pieces
-        are cut and its weights kept: it holds that memory as long as the model lives."""
+        are cut and its weights kept: it holds that memory as long as the model lives. On a GPU it is
+        charged to ``cpu_memory``, whose weights in RAM make room for it and its capture's transient."""
+        cpu_memory = self.config.cpu_memory
+        if self._counts_graph_state and self.device.type != "cpu" and cpu_memory is not None:
+            self.host_graph_bytes += graph_state_bytes(ops)
+            room = cpu_memory - self.host_graph_bytes - graph_state_bytes(ops)
+            fit_host(self.store, room, self.config.offload_folder)
+            return
         if (
             not self._counts_graph_state
             or self.memory.budget is None

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
 from fxoffload_hf.mapped_io import MappedFiles, MappedGroup
 from fxoffload_hf.memory_model import format_bytes
@@ -164,6 +163,8 @@ class WeightStore:
         self.version += 1
         for name, record in todo.items():
             record.disk = slices[name]
+            if record.host is not None:
+                self._unpin(record.host)
             record.host = None
             if self.device.type == "cpu":
                 record.resident = None
@@ -190,29 +191,6 @@ class WeightStore:
         record.dtype = dtype
         self._refresh_tiles(name)
 
-    def read_into_ram(self, room: int) -> int:
-        """Read weights that only a file holds into host RAM while they fit in ``room`` bytes, in the
-        model's order; the bytes read. For a GPU: a weight in RAM is copied to the device from pinned
-        memory, at the link's speed, instead of read from its file (and staged) for every use. The file
-        range stays known, so dropping the copy needs no write."""
-        todo, used = [], 0
-        for record in self.weights():
-            if record.disk is None or record.host is not None or record.resident is not None:
-                continue
-            if used + record.nbytes <= room:
-                todo.append(record)
-                used += record.nbytes
-        with tqdm(
-            total=used, desc="Reading weights into RAM", unit="B", unit_scale=True, disable=not used
-        ) as bar:
-            for record in todo:
-                assert record.disk is not None
-                record.host = self.read_source(record.disk, record.dtype)
-                bar.update(record.nbytes)
-        if used:
-            self.version += 1
-        return used
-
     def pin_host_memory(self) -> None:
         """Page-lock host-tier tensors for fast, asynchronous copies, in place where CUDA allows
         (``cudaHostRegister``), so host RAM holds each weight once; else one tensor at a time."""
@@ -227,6 +205,26 @@ class WeightStore:
                 self._registered.append(storage)
             else:
                 record.host = host.pin_memory()
+
+    def drop_host(self, name: str) -> None:
+        """Let go of the host copy of ``name``, a weight that also lies in a file (nothing is written: it
+        streams from there from now on)."""
+        record = self.records[name]
+        if record.host is None:
+            return
+        assert record.disk is not None, f"{name} has no copy but its host tensor: spill it instead"
+        self._unpin(record.host)
+        self.version += 1
+        record.host = None
+        self._refresh_tiles(name)
+
+    def _unpin(self, host: torch.Tensor) -> None:
+        """Unregister ``host``'s memory from CUDA where ``pin_host_memory`` pinned it in place: before it
+        is freed."""
+        address = host.untyped_storage().data_ptr()
+        for registered in [s for s in self._registered if s.data_ptr() == address]:
+            torch.cuda.cudart().cudaHostUnregister(address)
+            self._registered.remove(registered)
 
     def movable(self, record: WeightRecord) -> bool:
         """Whether ``keep`` and ``evict`` apply: not a weight whose only copy is in RAM on a CPU run."""

@@ -1,4 +1,4 @@
-"""The engine counts what each captured graph holds in host memory in a CPU budget."""
+"""The engine counts what each captured graph holds in host memory: in a CPU budget, or on a GPU in cpu_memory."""
 
 from __future__ import annotations
 
@@ -132,3 +132,43 @@ def test_graphs_captured_before_a_generate_do_not_count_against_the_two_it_expec
     assert reserves[0] == (1, 0)  # the forward expected no other graph
     # generate's prefill graph keeps room for its decode graph, which then keeps none
     assert [(n, r > 0) for n, r in reserves[1:]] == [(2, True), (3, False)] and after == 0
+
+
+@pytest.mark.usefixtures("counted_graph_state")
+def test_on_a_gpu_each_graphs_state_is_charged_to_cpu_memory(tmp_path, monkeypatch, place_data_at):
+    """On a GPU run a captured graph's state lies in host RAM beside the weights read into it: it (and
+    its capture's transient, for a moment) takes room from ``cpu_memory``, the weights read last going
+    back to their files; the device's budget does not count it."""
+    from safetensors.torch import save_file
+
+    from fxoffload_hf import engine as engine_module
+    from fxoffload_hf.config import OffloadConfig
+    from fxoffload_hf.engine import Engine
+    from fxoffload_hf.host_room import read_into_ram
+    from fxoffload_hf.memory_model import MemoryModel
+    from fxoffload_hf.safetensors_io import read_header
+    from fxoffload_hf.weight_record import Tier
+    from fxoffload_hf.weights import WeightStore
+
+    monkeypatch.setattr(engine_module, "make_loader", lambda store, device, ops=None: None)  # no GPU here
+    save_file({name: torch.randn(128, 128) for name in "abc"}, tmp_path / "w.safetensors")  # 64 KiB each
+    place_data_at(tmp_path, 0)
+    cuda = torch.device("cuda")
+    store = WeightStore(cuda)
+    records = [store.add_disk(name, s) for name, s in read_header(tmp_path / "w.safetensors").items()]
+    read_into_ram(store, 2**20)
+    cpu_memory = store.ram_bytes() + 16 * 2**10
+    engine = Engine(
+        OffloadConfig(device=cuda, gpu_memory=2**30, cpu_memory=cpu_memory),
+        store,
+        MemoryModel.where_it_computes("cuda", 2**30, cpu_memory),
+    )
+    try:
+        ops = 2  # 48 KiB of state: with its transient, two weights' room
+        engine._count_graph_state(ops)
+        state = graph_state_bytes(ops)
+        assert engine.host_graph_bytes == state and engine.memory.graph_bytes == 0
+        assert store.ram_bytes() + 2 * state <= cpu_memory
+        assert [r.tier for r in records] == [Tier.HOST, Tier.DISK, Tier.DISK]  # the model's last first
+    finally:
+        store.close()

@@ -212,6 +212,32 @@ def test_a_checkpoint_streams_to_the_gpu_from_pinned_ram_up_to_cpu_memory(
         fxoffload_hf.restore(model)
 
 
+@pytest.mark.usefixtures("counted_graph_state")
+def test_captured_graphs_state_takes_its_room_from_cpu_memory(
+    tmp_path, save_checkpoint, logits, weight_bytes
+):
+    """A captured graph's state lies in host RAM: weights read into RAM under ``cpu_memory`` make room for
+    it (``host_room.fit_host``), and the logits stay eager's."""
+    eager = save_checkpoint("llama", tmp_path / "ckpt")
+    total = weight_bytes(eager)
+    ids = torch.randint(0, 1000, (1, 24), generator=torch.Generator().manual_seed(0))
+    expected = logits(eager.cuda(), ids.cuda())
+    cpu_memory = total + 8 * 2**20  # the weights and less than one graph's state with its transient
+    model = fxoffload_hf.from_pretrained(
+        tmp_path / "ckpt", gpu_memory=total // 3, cpu_memory=cpu_memory, device="cuda", capture="first-call"
+    )
+    try:
+        engine = fxoffload_hf.engine_of(model)
+        assert engine.store.ram_bytes() == total
+        torch.testing.assert_close(logits(model, ids.cuda()), expected)
+        assert engine.runners and engine.host_graph_bytes > 0
+        assert engine.store.ram_bytes() + engine.host_graph_bytes <= cpu_memory
+        assert engine.store.bytes_in(Tier.DISK) > 0
+        torch.testing.assert_close(logits(model, ids.cuda()), expected)
+    finally:
+        fxoffload_hf.restore(model)
+
+
 def _sdpa_call(record: list[dict], sdpa):
     """``sdpa``, recording what picks its kernel: layouts, alignment, arguments, and the backend chosen."""
 

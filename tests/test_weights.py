@@ -6,7 +6,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fxoffload_hf import loaders
 from fxoffload_hf.safetensors_io import read_header
 from fxoffload_hf.weight_record import Tier
 from fxoffload_hf.weights import WeightStore
@@ -93,25 +92,6 @@ def test_set_dtype_converts_ram_copies_now_and_bumps_the_version():
     assert record.resident is record.host and store.version > version
     assert record.nbytes == 4 * 4 * 2
     store.close()
-
-
-def test_read_into_ram_fills_the_room_in_order_and_keeps_the_file_range(checkpoint):
-    # a GPU run reads file-only weights into RAM once, to copy them from pinned memory at each use
-    tensors, slices = checkpoint
-    store = WeightStore(torch.device("cuda"))  # only the device's type is read: no GPU needed
-    try:
-        a = store.add_disk("a", slices["a"])
-        b = store.add_disk("b", slices["b"])
-        h = store.add_disk("h", slices["h"], torch.float32)
-        version = store.version
-        read = store.read_into_ram(a.nbytes // 2 + b.nbytes + h.nbytes)  # "a" does not fit, the rest do
-        assert read == b.nbytes + h.nbytes and store.version > version
-        assert a.tier is Tier.DISK and b.tier is Tier.HOST and h.tier is Tier.HOST
-        assert torch.equal(b.host, tensors["b"]) and torch.equal(h.host, tensors["h"].float())
-        assert h.disk is slices["h"] and loaders.way_of(h, "cuda") is loaders.Way.COPIED
-        assert store.read_into_ram(0) == 0 and store.ram_bytes() == read
-    finally:
-        store.close()
 
 
 def test_held_bytes_counts_weights_used_in_place_by_the_2_mib_units_they_map_each_once(
