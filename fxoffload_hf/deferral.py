@@ -297,7 +297,7 @@ class Deferral:
             f"activations (at most {format_bytes(need)}) and the largest module's weights "
             f"({self.lending.largest_name}: {format_bytes(self.lending.largest)}) need {format_bytes(floor)}, "
             f"and captured, a graph of about {self._predicted_nodes()} ops would need at least "
-            f"{format_bytes(least)} for its state and its capture. Pass {name}={floor} or more to run its "
+            f"{format_bytes(least)} with its state. Pass {name}={floor} or more to run its "
             "calls as eager code, each module lent its weights in turn, or call it with a smaller batch or "
             "shorter inputs",
             smallest_budget=floor,

@@ -269,6 +269,20 @@ def deferred_refusal():
 
 
 @pytest.fixture
+def three_weights(tmp_path, place_data_at):
+    """A safetensors file of three small weights (fp32 "a" and "b", fp16 "h"), its data placed to be mapped
+    in place (``mapped_io.can_map``): ``(tensors, slices)``."""
+    from safetensors.torch import save_file
+
+    from fxoffload_hf.safetensors_io import read_header
+
+    tensors = {"a": torch.randn(64, 32), "b": torch.randn(128), "h": torch.randn(16, 16).half()}
+    save_file(tensors, tmp_path / "w.safetensors")
+    place_data_at(tmp_path, 0)
+    return tensors, read_header(tmp_path / "w.safetensors")
+
+
+@pytest.fixture
 def tile_holds(monkeypatch) -> list[str]:
     """The ways tiles came into their whole-shaped buffers, in order: "hold" (copied) or "hold_file"
     (their file's pages mapped, no copy); a spy on ``tile_buffer.WholeShapedBuffer``."""

@@ -3,30 +3,19 @@ else lies there (captured graphs' state)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-from safetensors.torch import save_file
 
 from fxoffload_hf import loaders
 from fxoffload_hf.host_room import fit_host, read_into_ram
-from fxoffload_hf.safetensors_io import read_header
 from fxoffload_hf.weight_record import Tier
 from fxoffload_hf.weights import WeightStore
 
 CUDA = torch.device("cuda")  # only the device's type is read: no GPU needed
 
 
-@pytest.fixture
-def checkpoint(tmp_path, place_data_at):
-    tensors = {"a": torch.randn(64, 32), "b": torch.randn(128), "h": torch.randn(16, 16).half()}
-    save_file(tensors, tmp_path / "w.safetensors")
-    place_data_at(tmp_path, 0)
-    return tensors, read_header(tmp_path / "w.safetensors")
-
-
-def test_read_into_ram_fills_the_room_in_order_and_keeps_the_file_range(checkpoint):
+def test_read_into_ram_fills_the_room_in_order_and_keeps_the_file_range(three_weights):
     # a GPU run reads file-only weights into RAM once, to copy them from pinned memory at each use
-    tensors, slices = checkpoint
+    tensors, slices = three_weights
     store = WeightStore(CUDA)
     try:
         a = store.add_disk("a", slices["a"])
@@ -43,11 +32,11 @@ def test_read_into_ram_fills_the_room_in_order_and_keeps_the_file_range(checkpoi
         store.close()
 
 
-def test_fit_host_drops_file_copies_last_read_first_then_spills_what_only_ram_holds(checkpoint, tmp_path):
+def test_fit_host_drops_file_copies_last_read_first_then_spills_what_only_ram_holds(three_weights, tmp_path):
     """Copies of weights that lie in a file go first (nothing written: they stream from the file again,
     their tiles with them), the model's last first; a weight only RAM holds is written to the offload
     folder, and only once the file copies are not enough."""
-    tensors, slices = checkpoint
+    tensors, slices = three_weights
     store = WeightStore(CUDA)
     try:
         a = store.add_disk("a", slices["a"])

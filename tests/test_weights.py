@@ -13,16 +13,8 @@ from fxoffload_hf.weights import WeightStore
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def checkpoint(tmp_path, place_data_at):
-    tensors = {"a": torch.randn(64, 32), "b": torch.randn(128), "h": torch.randn(16, 16).half()}
-    save_file(tensors, tmp_path / "w.safetensors")
-    place_data_at(tmp_path, 0)  # mapped in place (``mapped_io.can_map``)
-    return tensors, read_header(tmp_path / "w.safetensors")
-
-
-def test_tiers_follow_keep_and_evict_on_the_cpu(checkpoint):
-    tensors, slices = checkpoint
+def test_tiers_follow_keep_and_evict_on_the_cpu(three_weights):
+    tensors, slices = three_weights
     store = WeightStore(CPU)
     try:
         record = store.add_disk("a", slices["a"])
@@ -53,8 +45,8 @@ def test_a_weight_whose_only_copy_is_in_ram_cannot_be_evicted_on_the_cpu():
     store.close()
 
 
-def test_set_residents_keeps_exactly_the_movable_weights_wanted(checkpoint):
-    _tensors, slices = checkpoint
+def test_set_residents_keeps_exactly_the_movable_weights_wanted(three_weights):
+    _tensors, slices = three_weights
     store = WeightStore(CPU)
     try:
         for name in ("a", "b"):
@@ -118,10 +110,10 @@ def test_held_bytes_counts_weights_used_in_place_by_the_2_mib_units_they_map_eac
 
 
 @pytest.mark.parametrize("drop_cache", [False, True])
-def test_pages_are_read_ahead_only_where_the_page_cache_keeps_them(checkpoint, drop_cache):
+def test_pages_are_read_ahead_only_where_the_page_cache_keeps_them(three_weights, drop_cache):
     # under a memory limit (pages dropped after each use) the kernel's read-ahead reads 4 KiB pages
     # that the next drop waits on: eager calls fault their pages in instead
-    _, slices = checkpoint
+    _, slices = three_weights
     store = WeightStore(CPU, drop_cache=drop_cache)
     try:
         group = store.files.group([slices["a"]], [True])
