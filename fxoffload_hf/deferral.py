@@ -251,6 +251,12 @@ class Deferral:
         self._let_go(0)
         report("%s", why)
 
+    @property
+    def predicts_captures(self) -> bool:
+        """Whether a capture may be seen not to fit before it is traced (``capture_cannot_fit``): where the
+        budget counts graphs' state; eager calls count their operations only then."""
+        return self.counts_graph_state and self.memory.budget is not None
+
     def capture_cannot_fit(self, *, expected: int = 0, transient: bool = True) -> int | None:
         """Where capturing a call like the recent eager ones surely needs more than the budget, the least
         it would need: its graph's state (from the operations those calls ran, ``eager_ops``) beside what
@@ -260,7 +266,7 @@ class Deferral:
         in turn, so only the bound without it is sure for every call). None where it may fit, or nothing
         tells (the budget does not count graphs' state, no call was counted)."""
         budget = self.memory.budget
-        if not self.counts_graph_state or budget is None or not self._recent_ops:
+        if not self.predicts_captures or budget is None or not self._recent_ops:
             return None
         captured = self.memory.with_graph(self._predicted_nodes())
         if not transient:

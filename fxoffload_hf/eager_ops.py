@@ -21,21 +21,25 @@ _counting: list[OpCounter] = []  # the counters counting now on this thread's ca
 
 class OpCounter(TorchFunctionMode):
     """Within (``with counter:``): counts in ``ops`` every torch function and tensor method called; their
-    results unchanged (each call is only passed on)."""
+    results unchanged (each call is only passed on). Not ``active``: counts nothing and costs nothing
+    (a mode on the stack costs each operation a Python call)."""
 
-    def __init__(self) -> None:
+    def __init__(self, active: bool = True) -> None:
         super().__init__()
+        self.active = active
         self.ops = 0
         self.paused = 0  # ``uncounted`` blocks open
 
     def __enter__(self) -> OpCounter:
-        _counting.append(self)
-        super().__enter__()
+        if self.active:
+            _counting.append(self)
+            super().__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        _counting.remove(self)
+        if self.active:
+            super().__exit__(*exc)
+            _counting.remove(self)
 
     def __torch_function__(
         self,

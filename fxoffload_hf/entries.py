@@ -131,7 +131,8 @@ def _run_eagerly(
     eager.warn = False
     eager.ahead.room = engine.deferral.in_flight_room
     engine.eager_depth += 1
-    counter = OpCounter()  # the size of the graph a capture of this call would hold (``eager_ops``)
+    # the size of the graph a capture of this call would hold, where the budget counts it (``eager_ops``)
+    counter = OpCounter(active=engine.deferral.predicts_captures)
     try:
         with counter:
             return original(*args, **kwargs)
