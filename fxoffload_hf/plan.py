@@ -24,6 +24,7 @@ from fxoffload_hf.memory_model import (
     MemoryModel,
     cuts_for,
     format_bytes,
+    graph_state_bytes,
     nbytes,
     piece_bytes,
     window_bytes,
@@ -53,7 +54,8 @@ class PlanReport:
     blocks_traced: int = 0  # repeated blocks traced by dynamo, and those stamped out from that trace
     blocks_reused: int = 0
     kv_cache_bytes: int = 0  # generate's cache at batch x seq_len (full attention)
-    graph_state_bytes: int = 0  # host memory generate's two captured graphs hold (CPU budgets)
+    # host memory generate's two captured graphs hold (CPU budgets; on a GPU, charged to cpu_memory)
+    graph_state_bytes: int = 0
     eager_budget: int | None = None  # the smallest budget of eager calls (None: they cannot be bounded)
     eager_set_by: str = ""
     tradeoff: list[Estimate] = field(default_factory=list)
@@ -65,11 +67,12 @@ class PlanReport:
         return out
 
     def table(self) -> str:
-        graphs: list[str] = []  # shown where counted: CPU plans
+        graphs: list[str] = []  # shown where counted: CPU plans, and GPU plans given cpu_memory
         if self.graph_state_bytes:
+            where = ", charged to cpu_memory" if self.device == "cuda" else ""
             graphs.append(
                 f"captured graphs    {format_bytes(self.graph_state_bytes)} (dynamo's state of generate's "
-                "two graphs, in host memory)"
+                f"two graphs, in host memory{where})"
             )
         lines = [
             f"model              {self.model}",
@@ -200,6 +203,11 @@ def plan_config(
     # second's capture transient too (``MemoryModel.with_graph``), the steady state does not
     if device_type == "cpu" and counts_graph_state():
         memory = memory.with_graph(len(gm.graph.nodes)).with_graph(len(gm.graph.nodes))
+    # on a GPU their state lies in host RAM, charged to cpu_memory (``host_room``): fewer weights stay there
+    host_graphs = 0
+    if device_type == "cuda" and cpu_budget is not None and counts_graph_state():
+        host_graphs = 2 * graph_state_bytes(len(gm.graph.nodes))
+    host_budget = None if device_type != "cuda" or cpu_budget is None else max(cpu_budget - host_graphs, 0)
     floors = {
         w: memory.smallest_budget(
             tiles.smallest_tile_bytes(shapes[w], itemsize, device_type),
@@ -226,7 +234,7 @@ def plan_config(
         device=device_type,
         blocks_traced=capture.blocks_traced,
         blocks_reused=capture.blocks_reused,
-        graph_state_bytes=memory.graph_bytes,
+        graph_state_bytes=memory.graph_bytes or host_graphs,
         eager_budget=eager.budget,
         eager_set_by=eager.set_by,
     )
@@ -242,7 +250,7 @@ def plan_config(
             activations=activations,
             in_flight=min(2 * largest, report.weight_bytes, max(b - held - activations, 0)),
             device_type=device_type,
-            host_budget=cpu_budget if device_type == "cuda" else None,
+            host_budget=host_budget,
             bandwidths=bandwidths or Bandwidths(),
         )
         for b in budgets_between(report.smallest_budget, full)

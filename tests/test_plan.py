@@ -138,6 +138,16 @@ def test_a_cpu_floor_counts_generates_two_captured_graphs_a_gpu_floor_does_not(m
     assert cpu.graph_state_bytes > 0 and cpu.graph_state_bytes % (2 * GRAPH_STATE_BYTES_PER_OP) == 0
     assert "captured graphs" in cpu.floor_set_by and "captured graphs" in cpu.table()
     assert gpu.graph_state_bytes == 0 and "captured graphs" not in gpu.table()
+    # given cpu_memory, a GPU plan charges the graphs' state to it: fewer weights come from host RAM
+    cpu_memory = cpu.graph_state_bytes + gpu.weight_bytes // 2  # room for half the weights beside them
+    hosted = plan_config(config, device="cuda", seq_len=16, gpu_memory="1MiB", cpu_memory=cpu_memory)
+    assert hosted.graph_state_bytes == cpu.graph_state_bytes and hosted.smallest_budget == gpu.smallest_budget
+    assert "charged to cpu_memory" in hosted.table()
+    host_room = cpu_memory - hosted.graph_state_bytes
+    streamed = [e for e in hosted.tradeoff if e.from_host + e.from_disk]
+    assert streamed and all(e.from_host <= host_room for e in streamed)
+    assert any(e.from_host for e in streamed)
+    assert any(e.from_disk for e in streamed)
     # the same plan without the count: the floor is lower by the graphs' state, and by what the second
     # graph's capture transient holds beyond the activations (between calls, in their place)
     monkeypatch.setenv("FXOFFLOAD_HF_COUNT_GRAPH_STATE", "0")
