@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from fxoffload_hf.weights import WeightStore
@@ -50,6 +51,8 @@ def fit_host(store: WeightStore, room: int, folder: Path | None) -> int:
     over = store.ram_bytes() - room
     if over <= 0:
         return 0
+    if store.device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize(store.device)  # copies from these host tensors may still be in flight
     freed = 0
     in_ram = [r for r in reversed(store.weights()) if r.host is not None]
     for record in [r for r in in_ram if r.disk is not None]:
