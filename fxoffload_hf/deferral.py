@@ -38,6 +38,11 @@ _CAPTURE_SECONDS_PER_MODULE_CALL = 0.1
 # twelve architectures, dense, mixtures of experts and Mamba, prefill and decode: 0.80 to 1.04): below
 # it, a capture's state is not overestimated, so no capture that could fit is skipped.
 _GRAPH_NODES_PER_OP = 0.75
+# Eager calls count their operations in the first few calls, then in one call of so many: a kind of
+# call keeps its graph's size, and counting costs each operation about 2 us (a Python call per operation,
+# several percent of a decode step whose weights are cached).
+_COUNTED_FIRST = 4
+_COUNTED_EVERY = 16
 
 
 @dataclass(frozen=True)
@@ -102,8 +107,9 @@ class Deferral:
         self._largest_need = 0  # the largest bound of an eager call so far
         self._eager_seconds = 0.0
         self._most_module_calls = 0  # lent in one eager call, at most
-        # torch operations the last two eager calls ran (``eager_ops``)
+        # torch operations the last two eager calls counted ran (``eager_ops``), and the calls counted
         self._recent_ops: tuple[int, ...] = ()
+        self._calls_counted = 0
         # calls no graph served after deferring ended, run eagerly since the last capture, and their seconds
         self._uncaptured_calls = 0
         self._uncaptured_seconds = 0.0
@@ -196,6 +202,7 @@ class Deferral:
         self._most_module_calls = max(self._most_module_calls, module_calls)
         if ops:
             self._recent_ops = (*self._recent_ops[-1:], ops)
+            self._calls_counted += 1
         if not self.on:  # a call no graph served (``runs_uncaptured``)
             self._uncaptured_calls += 1
             self._uncaptured_seconds += seconds
@@ -256,6 +263,13 @@ class Deferral:
         """Whether a capture may be seen not to fit before it is traced (``capture_cannot_fit``): where the
         budget counts graphs' state; eager calls count their operations only then."""
         return self.counts_graph_state and self.memory.budget is not None
+
+    def counts_this_call(self) -> bool:
+        """Whether the next eager call counts its operations (``eager_ops``): where captures are
+        predicted, the first ``_COUNTED_FIRST`` calls, then one in ``_COUNTED_EVERY``."""
+        if not self.predicts_captures:
+            return False
+        return self._calls_counted < _COUNTED_FIRST or self.stats.eager_calls % _COUNTED_EVERY == 0
 
     def capture_cannot_fit(self, *, expected: int = 0, transient: bool = True) -> int | None:
         """Where capturing a call like the recent eager ones surely needs more than the budget, the least

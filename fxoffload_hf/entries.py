@@ -131,8 +131,9 @@ def _run_eagerly(
     eager.warn = False
     eager.ahead.room = engine.deferral.in_flight_room
     engine.eager_depth += 1
-    # the size of the graph a capture of this call would hold, where the budget counts it (``eager_ops``)
-    counter = OpCounter(active=engine.deferral.predicts_captures)
+    # the size of the graph a capture of this call would hold, where the budget counts it (``eager_ops``;
+    # some calls: ``Deferral.counts_this_call``)
+    counter = OpCounter(active=engine.deferral.counts_this_call())
     try:
         with counter:
             return original(*args, **kwargs)

@@ -56,3 +56,23 @@ def test_a_captured_graph_has_at_least_the_assumed_nodes_per_operation_counted(
         assert ops > 0 and captured >= fxoffload_hf.deferral._GRAPH_NODES_PER_OP * ops
     finally:
         fxoffload_hf.restore(model)
+
+
+@pytest.mark.usefixtures("counted_graph_state")
+def test_eager_calls_count_the_first_few_calls_then_one_in_so_many(tmp_path, save_checkpoint, monkeypatch):
+    """Counting costs every operation a Python call: a budget that counts graphs' state counts the first
+    ``_COUNTED_FIRST`` eager calls, then one in ``_COUNTED_EVERY``; a model without a budget none."""
+    save_checkpoint("llama", tmp_path)
+    ids = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 1e9)  # no capture
+    first, every = fxoffload_hf.deferral._COUNTED_FIRST, fxoffload_hf.deferral._COUNTED_EVERY
+    for budget, counted in (("1GiB", first + 1), (None, 0)):
+        model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=budget, device="cpu", capture="deferred")
+        try:
+            with torch.no_grad():
+                for _ in range(every + 1):
+                    model(ids)
+            deferral = fxoffload_hf.engine_of(model).deferral
+            assert deferral.stats.eager_calls == every + 1 and deferral._calls_counted == counted
+        finally:
+            fxoffload_hf.restore(model)
