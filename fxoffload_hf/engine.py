@@ -190,9 +190,10 @@ class Engine:
         charged to ``cpu_memory``, whose weights in RAM make room for it and its capture's transient."""
         cpu_memory = self.config.cpu_memory
         if self._counts_graph_state and self.device.type != "cpu" and cpu_memory is not None:
-            self.host_graph_bytes += graph_state_bytes(ops)
-            room = cpu_memory - self.host_graph_bytes - graph_state_bytes(ops)
-            fit_host(self.store, room, self.config.offload_folder)
+            state = graph_state_bytes(ops)
+            self.host_graph_bytes += state
+            # and, while dynamo finishes the capture, its transient about as large (``with_graph``)
+            fit_host(self.store, cpu_memory - self.host_graph_bytes - state, self.config.offload_folder)
             return
         if (
             not self._counts_graph_state

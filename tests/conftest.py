@@ -269,6 +269,22 @@ def deferred_refusal():
 
 
 @pytest.fixture
+def backend_calls(monkeypatch) -> list[int]:
+    """The graphs dynamo hands an engine from now on, by their node counts: a spy on ``Engine.__call__``."""
+    from fxoffload_hf.engine import Engine
+
+    calls: list[int] = []
+    backend = Engine.__call__
+
+    def spy(self, gm, example_inputs):
+        calls.append(len(gm.graph.nodes))
+        return backend(self, gm, example_inputs)
+
+    monkeypatch.setattr(Engine, "__call__", spy)
+    return calls
+
+
+@pytest.fixture
 def three_weights(tmp_path, place_data_at):
     """A safetensors file of three small weights (fp32 "a" and "b", fp16 "h"), its data placed to be mapped
     in place (``mapped_io.can_map``): ``(tensors, slices)``."""

@@ -7,7 +7,6 @@ import torch
 
 import fxoffload_hf
 import fxoffload_hf.deferral
-import fxoffload_hf.engine
 from fxoffload_hf.eager_ops import OpCounter, uncounted
 
 
@@ -30,7 +29,7 @@ def test_the_counter_counts_functions_and_methods_but_not_what_is_left_out():
 @pytest.mark.usefixtures("counted_graph_state")
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
 def test_a_captured_graph_has_at_least_the_assumed_nodes_per_operation_counted(
-    arch, tmp_path, save_checkpoint, logits, monkeypatch
+    arch, tmp_path, save_checkpoint, logits, monkeypatch, backend_calls
 ):
     """``Deferral`` predicts a graph's state from the operations its eager call ran: the graph of the same
     call has at least ``_GRAPH_NODES_PER_OP`` nodes per operation counted (the eager fallback's lending
@@ -39,20 +38,12 @@ def test_a_captured_graph_has_at_least_the_assumed_nodes_per_operation_counted(
     ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(0))
     model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="1GiB", device="cpu", capture="deferred")
     engine = fxoffload_hf.engine_of(model)
-    nodes: list[int] = []
-    backend = fxoffload_hf.engine.Engine.__call__
-
-    def spy(self, gm, example_inputs):
-        nodes.append(len(gm.graph.nodes))
-        return backend(self, gm, example_inputs)
-
-    monkeypatch.setattr(fxoffload_hf.engine.Engine, "__call__", spy)
     try:
         monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
         assert torch.equal(logits(model, ids), logits(eager, ids))  # eager, counted; capture next
         (ops,) = engine.deferral._recent_ops
         assert torch.equal(logits(model, ids), logits(eager, ids))  # captured
-        (captured,) = nodes
+        (captured,) = backend_calls
         assert ops > 0 and captured >= fxoffload_hf.deferral._GRAPH_NODES_PER_OP * ops
     finally:
         fxoffload_hf.restore(model)
