@@ -28,7 +28,13 @@ from torch import nn
 from fxoffload_hf.capture import handle_of
 from fxoffload_hf.cohort import SharedLock
 from fxoffload_hf.deferral import Lending
-from fxoffload_hf.eager_forwards import EagerForward, LendsAfterBreak, reads_rows
+from fxoffload_hf.eager_forwards import (
+    EagerForward,
+    LendsAfterBreak,
+    LendsToMethod,
+    methods_reading_weights,
+    reads_rows,
+)
 from fxoffload_hf.eager_ops import uncounted
 from fxoffload_hf.eager_read_ahead import ReadAhead
 from fxoffload_hf.eager_tiles import project_in_tiles, projects_by_rows, rows_per_eager_tile, tile_bytes
@@ -152,10 +158,12 @@ class EagerWeights:
         trace either, which gives the weights around the call."""
         if getattr(module.forward, "_torchdynamo_disable", False):
             return [EagerForward(module, self)]
+        weight_names = [name for name, p in module._parameters.items() if handle_of(p) is not None]
         return [
             module.register_forward_pre_hook(self.before),
             module.register_forward_hook(self.after, always_call=True),
             LendsAfterBreak(module, self),
+            *(LendsToMethod(module, name, self) for name in methods_reading_weights(module, weight_names)),
         ]
 
     def holds(self, module: nn.Module) -> bool:

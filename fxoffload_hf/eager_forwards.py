@@ -9,6 +9,8 @@ by rows where it lies and a projection too large to lend whole is computed in ti
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
+from types import FunctionType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,24 +25,25 @@ if TYPE_CHECKING:
     from fxoffload_hf.eager_fallback import EagerWeights
 
 
-class ReplacedForward:
-    """``module.forward`` replaced by ``forward`` as an attribute of the instance; ``remove`` puts back
+class ReplacedMethod:
+    """``module.<name>`` replaced by ``method`` as an attribute of the instance; ``remove`` puts back
     what was there (a removable handle, as the hooks' are)."""
 
-    def __init__(self, module: nn.Module, forward: Any) -> None:
+    def __init__(self, module: nn.Module, method: Any, name: str = "forward") -> None:
         self.module = module
-        self.had_own = "forward" in module.__dict__
-        self.old = module.__dict__.get("forward")
-        module.forward = forward  # type: ignore[method-assign]
+        self.name = name
+        self.had_own = name in module.__dict__
+        self.old = module.__dict__.get(name)
+        setattr(module, name, method)
 
     def remove(self) -> None:
         if self.had_own:
-            self.module.forward = self.old  # type: ignore[method-assign,assignment]
+            setattr(self.module, self.name, self.old)
         else:
-            self.module.__dict__.pop("forward", None)
+            self.module.__dict__.pop(self.name, None)
 
 
-class EagerForward(ReplacedForward):
+class EagerForward(ReplacedMethod):
     """``module.forward`` replaced by an untraced wrapper that holds the weights for the call."""
 
     def __init__(self, module: nn.Module, hooks: EagerWeights) -> None:
@@ -57,7 +60,7 @@ class EagerForward(ReplacedForward):
         super().__init__(module, forward)
 
 
-class LendsAfterBreak(ReplacedForward):
+class LendsAfterBreak(ReplacedMethod):
     """``module.forward`` wrapped for a forward that runs for real after dynamo traced its pre-hook.
 
     Dynamo traces a module's call, its pre-hook with it (which does nothing while dynamo traces); a graph
@@ -73,13 +76,49 @@ class LendsAfterBreak(ReplacedForward):
         super().__init__(module, _lending_forward(module, module.forward, hooks))
 
 
-def _lending_forward(module: nn.Module, original: Any, hooks: EagerWeights) -> Any:
-    by_rows = plain_lookup(module)
+class LendsToMethod(ReplacedMethod):
+    """A method of a module, other than its forward, that may read the module's weights, wrapped as
+    ``LendsAfterBreak`` wraps the forward: a caller outside the module may call it instead of the module
+    (ProphetNet's decoder calls its position embedding's ``_forward``, ``nn.Embedding.forward`` reached
+    without ``__call__``), where no hook lends the weights (``methods_reading_weights``)."""
+
+    def __init__(self, module: nn.Module, name: str, hooks: EagerWeights) -> None:
+        method = _lending_forward(module, getattr(module, name), hooks, own_forward=False)
+        super().__init__(module, method, name)
+
+
+def methods_reading_weights(module: nn.Module, weight_names: Collection[str]) -> list[str]:
+    """The methods of a leaf ``module`` (one without children: a model or a layer made of modules is
+    called, not its helpers) that may read its weights without its forward hooks: those its own class
+    and the classes between it and torch's define, other than ``nn.Module``'s own (``forward``,
+    ``extra_repr``) and special names, whose code names ``forward`` (``super().forward(...)``) or one of
+    ``weight_names``."""
+    if next(module.children(), None) is not None:
+        return []
+    wanted = {"forward", *weight_names}
+    found: list[str] = []
+    for cls in type(module).__mro__:
+        if cls.__module__.startswith("torch.") or cls is object:
+            break
+        for name, value in vars(cls).items():
+            if (
+                isinstance(value, FunctionType)
+                and not hasattr(nn.Module, name)  # forward, extra_repr: torch's, called by it or for it
+                and not name.startswith("__")
+                and name not in found
+                and wanted.intersection(value.__code__.co_names)
+            ):
+                found.append(name)
+    return found
+
+
+def _lending_forward(module: nn.Module, original: Any, hooks: EagerWeights, own_forward: bool = True) -> Any:
+    by_rows = own_forward and plain_lookup(module)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if by_rows and args and module.weight.device != args[0].device:
             return gather_rows(args[0], module.weight)  # lent where it lies (``Way.ROWS``): gathered there
-        if hooks.in_tiles(module):
+        if own_forward and hooks.in_tiles(module):
             return hooks.project(module, args[0] if args else kwargs["input"])
         return original(*args, **kwargs)
 

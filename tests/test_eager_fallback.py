@@ -9,12 +9,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 import fxoffload_hf
 from fxoffload_hf.capture import handle_of
 from fxoffload_hf.eager_fallback import EagerFallbackWarning
-from fxoffload_hf.eager_forwards import plain_lookup, reads_rows
+from fxoffload_hf.eager_forwards import methods_reading_weights, plain_lookup, reads_rows
 from fxoffload_hf.memory_model import BudgetTooSmallError
 
 
@@ -372,3 +373,59 @@ def test_embeddings_whose_calls_only_look_rows_up_are_lent_their_table_where_it_
     assert not reads_rows(_TableTimesTwo(10, 4), "cpu")
     assert not reads_rows(_Positions(10, 4), "cpu")
     assert not reads_rows(nn.Linear(4, 4), "cpu")
+
+
+class _Scale(nn.Module):  # a helper that reads the weight, and one that does not
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scaled(x)
+
+    def scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+    def shape_of(self, x: torch.Tensor) -> tuple[int, ...]:
+        return tuple(x.shape)
+
+    def extra_repr(self) -> str:  # torch's to call (printing the model): no weights lent for it
+        return f"{tuple(self.weight.shape)}"
+
+
+def test_methods_that_may_read_a_leaf_modules_weights_are_the_ones_named() -> None:
+    """A leaf's own methods (not torch's) whose code names ``forward`` or a weight; a module with
+    children has none (it is called, or its children are)."""
+    from transformers.models.prophetnet.modeling_prophetnet import ProphetNetPositionalEmbeddings
+
+    assert methods_reading_weights(_Scale(), ["weight"]) == ["scaled"]
+    assert methods_reading_weights(_Positions(10, 4), ["weight"]) == []  # its forward is not wrapped here
+    assert methods_reading_weights(nn.Linear(4, 4), ["weight", "bias"]) == []
+    assert methods_reading_weights(nn.Sequential(_Scale()), ["weight"]) == []
+    config = transformers.ProphetNetConfig(hidden_size=16, max_position_embeddings=8)
+    assert methods_reading_weights(ProphetNetPositionalEmbeddings(config), ["weight"]) == ["_forward"]
+
+
+def test_a_method_called_instead_of_the_module_gets_its_weights(tmp_path, weight_bytes) -> None:
+    """ProphetNet's decoder calls its position embedding's ``_forward`` (``nn.Embedding.forward`` without
+    ``__call__``, so no hook runs): called eagerly (deferred capture), it is lent the table as a call
+    is, and the logits of every stream equal eager's (its NaN stand-in was read before)."""
+    torch.manual_seed(0)
+    config = transformers.ProphetNetConfig(
+        vocab_size=4000, hidden_size=64, encoder_ffn_dim=128, decoder_ffn_dim=128, num_encoder_layers=2,
+        num_decoder_layers=2, num_encoder_attention_heads=4, num_decoder_attention_heads=4, ngram=2,
+        max_position_embeddings=512, is_decoder=True, add_cross_attention=False,
+    )  # fmt: skip
+    eager = transformers.ProphetNetForCausalLM(config).eval()
+    eager.save_pretrained(tmp_path)
+    ids = torch.randint(3, 4000, (1, 7), generator=torch.Generator().manual_seed(1))
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=weight_bytes(eager) * 3 // 4, device="cpu",
+                                         capture="deferred")  # fmt: skip
+    try:
+        with torch.no_grad():
+            got, expected = model(ids), eager(ids)
+            assert fxoffload_hf.engine_of(model).stats.eager_calls == 1  # the call ran eagerly
+    finally:
+        fxoffload_hf.restore(model)
+    # the main stream's logits and the predicting streams' (which use the position embedding's _forward)
+    assert torch.equal(got.logits, expected.logits) and torch.equal(got.logits_ngram, expected.logits_ngram)
