@@ -89,7 +89,7 @@ class Deferral:
         # keeps none for eager calls
         self.counts_ram = counts_ram
         self.stats = stats
-        # the budget counts captured graphs' state (``Engine._count_graph_state``): a capture can be seen
+        # the budget counts captured graphs' state (``CaptureBudget.in_budget``): a capture can be seen
         # not to fit before it is traced (``capture_cannot_fit``)
         self.counts_graph_state = counts_graph_state
         self.lending = Lending()  # how eager calls are lent weights now

@@ -19,16 +19,16 @@ from torch import fx
 
 from fxoffload_hf import eager_paths, row_lookups, tiles
 from fxoffload_hf.activations import activation_model
+from fxoffload_hf.capture_budget import CaptureBudget
 from fxoffload_hf.cohort import Cohort, SharedLock
-from fxoffload_hf.config import OffloadConfig, counts_graph_state
+from fxoffload_hf.config import OffloadConfig
 from fxoffload_hf.deferral import Deferral
 from fxoffload_hf.eager_fallback import EagerWeights
 from fxoffload_hf.graph_entry import GraphEntry
 from fxoffload_hf.graphs import call_inputs, capture_device, graph_facts, retarget_devices
-from fxoffload_hf.host_room import fit_host
 from fxoffload_hf.loaders import DeviceOps, InlineReader, ThreadedReader, make_loader
 from fxoffload_hf.memory import return_large_frees_to_the_os
-from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, format_bytes, graph_state_bytes
+from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, format_bytes
 from fxoffload_hf.partition import Partition
 from fxoffload_hf.planner import GraphInput, ModelPlan, partition_for_budget, plan_model, sizes_for_budget
 from fxoffload_hf.program import build_program
@@ -83,21 +83,19 @@ class Engine:
         self.call_started = time.perf_counter()  # set by the entry point at each call: capture timing
         # capture="deferred": calls run eagerly while they fit (``deferral``)
         counts_ram = config.device.type != "cpu" or config.cpu_memory is not None
-        self._counts_graph_state = counts_graph_state()
+        self.captures = CaptureBudget(config, store, memory)  # captured graphs' state, where counted
         self.deferral = Deferral(
             config.capture == "deferred",
             memory,
             store,
             counts_ram,
             self.stats,
-            counts_graph_state=self._counts_graph_state and memory.budget_name == "cpu_memory",
+            counts_graph_state=self.captures.in_budget,
         )
         self.eager_depth = 0  # entry-point calls running eagerly now (nested entry points inside one)
         # whatever else checks the budget (the deferral, eager calls' lent weights): given the memory model
-        # again when captured graphs' state is counted in it (``_count_graph_state``)
+        # again when captured graphs' state is counted in it (``captures``)
         self.memory_holders: list[Deferral | EagerWeights] = [self.deferral]
-        self._graphs_expected = 0  # runners there will be once the captures a call expects are made
-        self.host_graph_bytes = 0  # captured graphs' state charged to cpu_memory on a GPU run (``host_room``)
 
     @property
     def deferring(self) -> bool:
@@ -112,19 +110,23 @@ class Engine:
         if traced_on is not None and traced_on != self.device:
             retarget_devices(gm.graph, traced_on, self.device)
             gm.recompile()
-        counted, host_counted = self.memory, self.host_graph_bytes
+        counted, host_counted = self.memory, self.captures.host_bytes
         self._count_graph_state(len(gm.graph.nodes))
+        state = self.memory.graph_bytes - counted.graph_bytes  # in this budget
         try:
-            return self._entry(gm, example_inputs, received)
-        except BudgetTooSmallError:
+            return self._entry(gm, example_inputs, received, state)
+        except BudgetTooSmallError as refusal:
             # a refused graph is not kept: nor is its state counted
             self._set_memory(counted)
-            self.host_graph_bytes = host_counted
-            raise
+            raise self.captures.refused(refusal, host_counted, counted.budget_name) from None
 
-    def _entry(self, gm: fx.GraphModule, example_inputs: list[Any], received: float) -> GraphEntry:
+    def _entry(
+        self, gm: fx.GraphModule, example_inputs: list[Any], received: float, state: int
+    ) -> GraphEntry:
         """Cut a captured graph into pieces, plan them, and the entry that runs them."""
         facts = graph_facts(gm, example_inputs)
+        weight_names = frozenset(facts.names[w] for w in facts.weight_bytes)
+        self.captures.progress.captures(weight_names, state)
         device_type = self.loader.device_type
         if device_type == "cuda" and facts.lookups:
             gm, copies = tiles.own_copy(gm)
@@ -161,6 +163,7 @@ class Engine:
         runner = GraphRunner(program, self.loader, plan.graphs[-1].ahead, index=len(self.runners))
         runner.observers = self.observers
         self.runners.append(runner)
+        self.captures.captured(weight_names)
         self.stats.graphs = len(self.runners)
         self._swap(plan)
         self._report_capture(gm, facts.weight_bytes, program.pieces, received)
@@ -185,45 +188,26 @@ class Engine:
         )
 
     def _count_graph_state(self, ops: int) -> None:
-        """Count a new graph's state (dynamo's and ours, in host memory) in a CPU budget, before its pieces
-        are cut and its weights kept: it holds that memory as long as the model lives. On a GPU it is
-        charged to ``cpu_memory``, whose weights in RAM make room for it and its capture's transient."""
-        cpu_memory = self.config.cpu_memory
-        if self._counts_graph_state and self.device.type != "cpu" and cpu_memory is not None:
-            state = graph_state_bytes(ops)
-            self.host_graph_bytes += state
-            # and, while dynamo finishes the capture, its transient about as large (``with_graph``)
-            fit_host(self.store, cpu_memory - self.host_graph_bytes - state, self.config.offload_folder)
-            return
-        if (
-            not self._counts_graph_state
-            or self.memory.budget is None
-            or self.memory.budget_name != "cpu_memory"
-        ):
-            return
-        self._set_memory(self.memory.with_graph(ops))
-        self._keep_fewer_weights()
+        """Count a new graph's state in the budget (``CaptureBudget.count``); kept weights that no longer
+        fit beside it let go."""
+        memory = self.captures.count(self.memory, ops)
+        if memory is not self.memory:
+            self._set_memory(memory)
+            self._keep_fewer_weights()
 
     def capture_finished(self) -> None:
-        """A new graph's first call begins: dynamo has finished capturing it. A CPU budget keeps room for
-        the next capture only while the call expects more graphs (``expecting_graphs``)."""
-        if not self.memory.capture_reserve:
-            return
-        another = len(self.runners) < self._graphs_expected
-        self._set_memory(self.memory.with_capture_reserve(self.memory.capture_reserve if another else 0))
+        """A new graph's first call begins: dynamo has finished capturing it (``CaptureBudget.finished``)."""
+        self._set_memory(self.captures.finished(self.memory, len(self.runners)))
 
     @contextmanager
     def expecting_graphs(self, count: int) -> Iterator[None]:
         """Within: a call that may capture ``count`` more graphs (generate: its prefill and decode graphs).
         Until they are captured, a CPU budget keeps room to trace the next (``with_graph``)."""
-        outer = self._graphs_expected
-        self._graphs_expected = max(outer, len(self.runners) + count)
+        outer = self.captures.expect(count, len(self.runners))
         try:
             yield
         finally:
-            self._graphs_expected = outer
-            if self.memory.capture_reserve and len(self.runners) >= outer:
-                self._set_memory(self.memory.with_capture_reserve(0))
+            self._set_memory(self.captures.expected(outer, self.memory, len(self.runners)))
 
     def _set_memory(self, memory: MemoryModel) -> None:
         self.memory = memory

@@ -78,6 +78,7 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                 deferral = engine.deferral
                 if engine.eager_depth:
                     return _run_eagerly(engine, eager, original, args, kwargs)
+                engine.captures.progress.starts()
                 # after deferring ended, only a call no graph serves may run eagerly: the calls graphs
                 # serve (every decode step) are not bounded at all
                 uncaptured = (

@@ -31,6 +31,7 @@ class GraphEntry:
         self._call = self._profiled_call
 
     def __call__(self, *args: Any) -> Any:
+        self.engine.captures.progress.ran(self.runner.index)
         cohort = self.engine.cohort
         if cohort is not None and cohort.is_member():
             return cohort.wait_at(self, args)

@@ -124,7 +124,7 @@ def test_graphs_captured_before_a_generate_do_not_count_against_the_two_it_expec
             with engine.expecting_graphs(2):  # an outer call expecting two more survives an inner one
                 with engine.expecting_graphs(1):
                     pass
-                assert engine._graphs_expected == len(engine.runners) + 2
+                assert engine.captures.graphs_expected == len(engine.runners) + 2
             model.generate(ids, max_new_tokens=3, do_sample=False)
         after = engine.memory.capture_reserve
     finally:
@@ -167,7 +167,7 @@ def test_on_a_gpu_each_graphs_state_is_charged_to_cpu_memory(tmp_path, monkeypat
         ops = 2  # 48 KiB of state: with its transient, two weights' room
         engine._count_graph_state(ops)
         state = graph_state_bytes(ops)
-        assert engine.host_graph_bytes == state and engine.memory.graph_bytes == 0
+        assert engine.captures.host_bytes == state and engine.memory.graph_bytes == 0
         assert store.ram_bytes() + 2 * state <= cpu_memory
         assert [r.tier for r in records] == [Tier.HOST, Tier.DISK, Tier.DISK]  # the model's last first
     finally:

@@ -230,8 +230,8 @@ def test_captured_graphs_state_takes_its_room_from_cpu_memory(
         engine = fxoffload_hf.engine_of(model)
         assert engine.store.ram_bytes() == total
         torch.testing.assert_close(logits(model, ids.cuda()), expected)
-        assert engine.runners and engine.host_graph_bytes > 0
-        assert engine.store.ram_bytes() + engine.host_graph_bytes <= cpu_memory
+        assert engine.runners and engine.captures.host_bytes > 0
+        assert engine.store.ram_bytes() + engine.captures.host_bytes <= cpu_memory
         assert engine.store.bytes_in(Tier.DISK) > 0
         torch.testing.assert_close(logits(model, ids.cuda()), expected)
     finally:
