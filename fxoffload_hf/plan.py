@@ -287,7 +287,7 @@ def _tile_for_room(
     oversized = [w for w in tileable if sizes[w] > tiles.too_large_for(room, device_type)]
     room -= max(map(tiles.extra_activation_bytes, oversized), default=0)
     for weight in oversized:
-        per_tile = tiles.rows_per_tile(shapes[weight], itemsize, room // tiles.tile_share(shapes[weight]))
+        per_tile = tiles.graph_tile_rows(shapes[weight], itemsize, room // tiles.tile_share(shapes[weight]))
         if not per_tile:
             continue  # the partition refuses it by name
         ranges = tiles.tile_ranges(shapes[weight][0], per_tile)

@@ -74,12 +74,33 @@ def describe(node: fx.Node) -> str:
 # rows a tile takes in multiples of, where it can (MKL here takes a matrix-vector product's rows in pairs:
 # an odd tile rounds its last row apart; a group of 16 leaves room for wider kernels)
 ROW_GROUP = 16
+# A weight is cut into at most this many tiles: each is a piece with a load, a schedule entry and a
+# product of its own, and planning weighs every piece against the others, so that budgets a few hundred
+# KiB above the floor would cut a 64 MiB projection into thousands of tiles and take minutes to plan
+# (measured: 7,646 pieces, six minutes); the floor this sets is a weight's 256th beside the rest
+MOST_TILES = 256
 
 
 def fewest_rows(shape: Sequence[int], itemsize: int) -> int:
     """The rows of a weight of ``shape`` that fill whole pages: tiles take multiples of them, so a tile's
     buffer pages can be given back after its call."""
     return _PAGE // math.gcd(math.prod(shape[1:]) * itemsize, _PAGE)
+
+
+def fewest_tile_rows(shape: Sequence[int], itemsize: int) -> int:
+    """The fewest rows a tile of a weight of ``shape`` takes: whole pages (``fewest_rows``), and enough
+    that the weight makes at most ``MOST_TILES`` tiles."""
+    step = fewest_rows(shape, itemsize)
+    need = max(step, -(-shape[0] // MOST_TILES))
+    group = math.lcm(step, ROW_GROUP)
+    unit = group if need >= group else step  # as ``rows_per_tile`` rounds
+    return min(shape[0], -(-need // unit) * unit)
+
+
+def graph_tile_rows(shape: Sequence[int], itemsize: int, target_bytes: int) -> int:
+    """``rows_per_tile``, or 0 where that would cut the weight into more than ``MOST_TILES`` tiles."""
+    rows = rows_per_tile(shape, itemsize, target_bytes)
+    return rows if rows >= fewest_tile_rows(shape, itemsize) else 0
 
 
 def rows_per_tile(shape: Sequence[int], itemsize: int, target_bytes: int) -> int:
@@ -133,10 +154,7 @@ def tile_share(shape: Sequence[int]) -> int:
 def smallest_tile_bytes(shape: Sequence[int], itemsize: int, device_type: str) -> int:
     """What the smallest tile of a weight holds while it computes (``times_held``)."""
     return (
-        times_held(device_type, shape)
-        * min(fewest_rows(shape, itemsize), shape[0])
-        * math.prod(shape[1:])
-        * itemsize
+        times_held(device_type, shape) * fewest_tile_rows(shape, itemsize) * math.prod(shape[1:]) * itemsize
     )
 
 
@@ -223,7 +241,7 @@ def tile_oversized(
         shape, itemsize = record.shape, record.dtype.itemsize
         # two tiles in flight in the room, else tiles that stream alone (``tile_share``)
         share = tile_share(shape)
-        per_tile = rows_per_tile(shape, itemsize, room // share) or rows_per_tile(
+        per_tile = graph_tile_rows(shape, itemsize, room // share) or graph_tile_rows(
             shape, itemsize, room // (share // 2)
         )
         if not per_tile and sizes[node] <= room:
@@ -236,7 +254,8 @@ def tile_oversized(
             why = (
                 f"not even {record.name} alone ({format_bytes(unit)}) fits"
                 if unit >= record.footprint
-                else f"not even the smallest tile of {kind} of {record.name} ({format_bytes(unit)}{copy}) fits"
+                else f"not even the smallest tile of {kind} of {record.name} ({format_bytes(unit)}{copy}, "
+                f"a weight making at most {MOST_TILES} tiles) fits"
             )
             short.append((memory.smallest_budget(unit, activations), why))
     if short:

@@ -36,6 +36,7 @@ class WeightStore:
         self.files = MappedFiles()  # the checkpoint files' private mappings, shared with the loaders
         self.version = 0  # bumped by every change of tier or dtype
         self.records: dict[str, WeightRecord] = {}
+        self._tiles: dict[str, list[str]] = {}  # per weight, the names of its tiles (``add_tile``)
         self._spilled_files: list[Path] = []
         self._temp_folder: Path | None = None
         # the model's own parameters that share a host tensor's memory: emptied when it is spilled
@@ -86,26 +87,30 @@ class WeightStore:
                 tile_rows=(start, stop),
                 tile_copied=copied,
             )
-            self._refresh_tiles(name)
+            self._tiles.setdefault(name, []).append(tile_name)
+            self._point_tile(self.records[tile_name], parent)
         return self.records[tile_name]
 
     def _refresh_tiles(self, name: str) -> None:
         """Point the tiles of ``name`` at its bytes as they are now (after a spill or a dtype change)."""
         parent = self.records[name]
-        for tile in [r for r in self.records.values() if r.tile_of == name]:
-            self.evict(tile.name)
-            start, stop = tile.tile_rows
-            tile.dtype = parent.dtype
-            tile.host = None if parent.host is None else parent.host[start:stop]
-            tile.disk = None
-            if parent.disk is not None:
-                row = parent.disk.nbytes // parent.shape[0]
-                tile.disk = replace(
-                    parent.disk,
-                    offset=parent.disk.offset + start * row,
-                    nbytes=(stop - start) * row,
-                    shape=tile.shape,
-                )
+        for tile_name in self._tiles.get(name, ()):
+            self._point_tile(self.records[tile_name], parent)
+
+    def _point_tile(self, tile: WeightRecord, parent: WeightRecord) -> None:
+        self.evict(tile.name)
+        start, stop = tile.tile_rows
+        tile.dtype = parent.dtype
+        tile.host = None if parent.host is None else parent.host[start:stop]
+        tile.disk = None
+        if parent.disk is not None:
+            row = parent.disk.nbytes // parent.shape[0]
+            tile.disk = replace(
+                parent.disk,
+                offset=parent.disk.offset + start * row,
+                nbytes=(stop - start) * row,
+                shape=tile.shape,
+            )
 
     def weights(self) -> list[WeightRecord]:
         """The model's weights, without the tiles made of them."""
