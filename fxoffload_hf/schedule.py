@@ -58,14 +58,45 @@ def choose_resident(
         key=lambda i: (-(unhidden[i] / max(profiles[i].nbytes, 1)), i),
     )
     resident: set[str] = set()
+    # what each piece streams with nothing kept, and the pieces each weight is in: a candidate changes
+    # only the pieces holding its weights (thousands of pieces: tiles), so in flight is found from those
+    streamed = [piece_bytes(p.weight_bytes.values()) for p in profiles]
+    pieces_of: dict[str, list[int]] = {}
+    for i, profile in enumerate(profiles):
+        for weight in profile.weights:
+            pieces_of.setdefault(weight, []).append(i)
+    in_flight = pair_bytes(streamed)
     for index in order:
         candidate = resident | set(profiles[index].weights)
         if candidate == resident:
             continue
-        streamed = [piece_bytes(p.weight_bytes[w] for w in p.weights if w not in candidate) for p in profiles]
-        if memory.fits(activations=activations, resident=kept(candidate), in_flight=pair_bytes(streamed)):
-            resident = candidate
+        touched = {i for w in candidate - resident for i in pieces_of[w]}
+        trial = {
+            i: piece_bytes(profiles[i].weight_bytes[w] for w in profiles[i].weights if w not in candidate)
+            for i in touched
+        }
+        flight = _pair_bytes_after(streamed, trial, in_flight)
+        if memory.fits(activations=activations, resident=kept(candidate), in_flight=flight):
+            resident, in_flight = candidate, flight
+            for i, nbytes in trial.items():
+                streamed[i] = nbytes
     return resident
+
+
+def _pair_bytes_after(streamed: list[int], changed: dict[int, int], before: int) -> int:
+    """``pair_bytes`` of ``streamed`` with the pieces in ``changed`` streaming less, given ``before``, its
+    value now: where no changed piece is in a pair that holds ``before``, an unchanged pair still does."""
+    if len(streamed) > 1 and all(
+        streamed[j] + streamed[j + 1] < before
+        for i in changed
+        for j in (i - 1, i)
+        if 0 <= j < len(streamed) - 1
+    ):
+        return before
+    trial = list(streamed)
+    for i, nbytes in changed.items():
+        trial[i] = nbytes
+    return pair_bytes(trial)
 
 
 def simulated_seconds(profiles: list[PieceProfile], distance: int) -> float:

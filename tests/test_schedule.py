@@ -123,3 +123,40 @@ def test_load_groups_fill_the_room_in_order():
         assert sum(sizes[i] for i in group) <= 20 or len(group) == 1
     assert load_groups([], room=5) == []
     assert load_groups([0, 0, 0], room=0) == [3, 3, 3]
+
+
+def _choose_resident_plainly(profiles: list[PieceProfile], memory: MemoryModel, activations: int) -> set[str]:
+    """``choose_resident`` as first written: every piece's streamed bytes counted again per candidate."""
+    from fxoffload_hf.memory_model import piece_bytes
+
+    unhidden = unhidden_copy_seconds(profiles)
+    order = sorted(range(len(profiles)), key=lambda i: (-(unhidden[i] / max(profiles[i].nbytes, 1)), i))
+    resident: set[str] = set()
+    for index in order:
+        candidate = resident | set(profiles[index].weights)
+        if candidate == resident:
+            continue
+        streamed = [piece_bytes(p.weight_bytes[w] for w in p.weights if w not in candidate) for p in profiles]
+        kept = sum({w: b for p in profiles for w, b in p.weight_bytes.items()}[w] for w in candidate)
+        if memory.fits(activations=activations, resident=kept, in_flight=pair_bytes(streamed)):
+            resident = candidate
+    return resident
+
+
+def test_choosing_from_the_pieces_a_candidate_changes_keeps_what_counting_them_all_kept():
+    """Shared weights (an embedding in two pieces), pieces of several weights and alike sizes (ties in
+    the pair that holds the most): the same residents as recounting every piece per candidate."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(60):
+        names = [f"w{i}" for i in range(rng.randint(1, 14))]
+        sizes = {w: rng.choice([64, 128, 192, rng.randint(1, 400)]) for w in names}
+        profiles = []
+        for _ in range(rng.randint(1, 12)):
+            weights = tuple(dict.fromkeys(rng.sample(names, rng.randint(1, min(3, len(names))))))
+            profiles.append(PieceProfile(weights, {w: sizes[w] for w in weights}, rng.random(), rng.random()))
+        for budget in range(100, 3000, 173):
+            memory = MemoryModel(budget, fixed_bytes=20)
+            expected = _choose_resident_plainly(profiles, memory, 30)
+            assert choose_resident(profiles, memory, 30) == expected, (trial, budget)
