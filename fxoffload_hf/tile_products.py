@@ -29,9 +29,11 @@ from fxoffload_hf.mapped_io import file_position
 from fxoffload_hf.tile_buffer import whole_shaped
 
 _PAGE = mmap.PAGESIZE
-# keys of the shapes whose tiles compute alone exactly (True) or not (False); cleared when this large
-# (a new prompt length is a new key: the verdicts of a long job's many shapes are cheap to learn again)
-_MOST_VERDICTS = 4096
+# keys of the shapes whose tiles compute alone exactly (True) or not (False); the oldest let go past this
+# many (a new prompt length is a new key: the verdicts of a long job's many shapes are cheap to learn
+# again): room for the tiles of 64 weights cut in ``tiles.MOST_TILES`` (a few hundred bytes each), so that
+# a call does not lose its own verdicts as it runs (cleared whole, a call with more tiles than this did)
+_MOST_VERDICTS = 16384
 _verdicts: dict[Hashable, bool] = {}
 _verdicts_lock = threading.Lock()
 
@@ -88,7 +90,7 @@ def _learn(key: Hashable, x: torch.Tensor, alone: torch.Tensor, whole_columns: t
         return
     with _verdicts_lock:
         if len(_verdicts) >= _MOST_VERDICTS:
-            _verdicts.clear()
+            del _verdicts[next(iter(_verdicts))]
         _verdicts[key] = torch.equal(alone, whole_columns)
 
 
