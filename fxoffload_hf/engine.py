@@ -243,8 +243,10 @@ class Engine:
         """A call of graph ``index`` holds ``need`` bytes of activations, more than the plan allowed for (a
         larger batch, longer inputs, a longer KV cache through the same graph): refuse it when its largest
         piece and they cannot fit the budget, else keep fewer weights and plan again, for a quarter more
-        than ``need`` where that fits (``_ACTIVATION_HEADROOM``), before anything of it runs."""
-        largest = self._largest_piece()
+        than ``need`` where that fits (``_ACTIVATION_HEADROOM``), before anything of it runs. Only this
+        graph's pieces are in flight beside them (another graph's, cut when the budget had more room for
+        weights, would make each refusal name a budget that cuts those larger again)."""
+        largest = self._largest_piece(index)
         smallest = self.memory.smallest_budget(largest, need)
         budget = self.memory.budget
         if budget is not None and smallest > budget:
@@ -306,9 +308,11 @@ class Engine:
             finally:
                 self.cohort = None
 
-    def _largest_piece(self) -> int:
-        """Weight bytes of the largest piece of any graph captured so far (0 before capture)."""
-        return max((p.weight_bytes for part in self.partitions for p in part.pieces), default=0)
+    def _largest_piece(self, graph: int | None = None) -> int:
+        """Weight bytes of the largest piece of graph ``graph``, or of any graph captured so far (0 before
+        capture)."""
+        parts = self.partitions if graph is None else self.partitions[graph : graph + 1]
+        return max((p.weight_bytes for part in parts for p in part.pieces), default=0)
 
     def _largest_unit(self) -> int:
         """The largest piece; before capture, the largest unit a weight streams in (``tiles``)."""

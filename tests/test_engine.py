@@ -172,3 +172,33 @@ def test_on_a_gpu_each_graphs_state_is_charged_to_cpu_memory(tmp_path, monkeypat
         assert [r.tier for r in records] == [Tier.HOST, Tier.DISK, Tier.DISK]  # the model's last first
     finally:
         store.close()
+
+
+def test_a_call_whose_activations_grow_is_checked_beside_its_own_graphs_pieces(llama_ckpt):
+    """What is in flight beside a call's activations are its own graph's pieces: another graph's larger
+    pieces (cut when the budget had more room for weights, before later graphs' state was counted) do
+    not refuse it. Checked against them, each refusal named a budget that cut those pieces larger again
+    (``dots3_note_text``: six refusals in a row)."""
+    from types import SimpleNamespace
+
+    import fxoffload_hf
+
+    folder, _eager = llama_ckpt
+    ids = torch.randint(0, 1000, (1, 7), generator=torch.Generator().manual_seed(3))
+    model = fxoffload_hf.from_pretrained(folder, cpu_memory="2MiB", device="cpu", capture="first-call")
+    engine = fxoffload_hf.engine_of(model)
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False)  # graph 1
+            model(ids[:, :3])  # graph 2: another signature (a cache built)
+        assert len(engine.runners) == 2
+        own, budget = engine._largest_piece(1), engine.memory.budget
+        need = budget - engine.memory.smallest_budget(own, 0)  # all the room its own pieces leave
+        assert engine.memory.smallest_budget(own, need) <= budget
+        engine.partitions[0] = SimpleNamespace(pieces=[SimpleNamespace(weight_bytes=own + 2**20)])
+        engine.activations_grew(1, need)  # fits beside its own pieces: planned for, not refused
+        assert engine.activation_bytes[1] >= need
+        with pytest.raises(BudgetTooSmallError, match="this call's activations"):
+            engine.activations_grew(1, need + 2**16)
+    finally:
+        fxoffload_hf.restore(model)
