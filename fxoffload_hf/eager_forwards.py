@@ -9,6 +9,7 @@ by rows where it lies and a projection too large to lend whole is computed in ti
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Collection
 from types import FunctionType
 from typing import TYPE_CHECKING, Any
@@ -87,6 +88,9 @@ class LendsToMethod(ReplacedMethod):
         super().__init__(module, method, name)
 
 
+_LAZY = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
 def methods_reading_weights(module: nn.Module, weight_names: Collection[str]) -> list[str]:
     """The methods of a leaf ``module`` (one without children: a model or a layer made of modules is
     called, not its helpers) that may read its weights without its forward hooks: those its own class
@@ -103,6 +107,7 @@ def methods_reading_weights(module: nn.Module, weight_names: Collection[str]) ->
         for name, value in vars(cls).items():
             if (
                 isinstance(value, FunctionType)
+                and not value.__code__.co_flags & _LAZY  # lent for the call: its result computed in it
                 and not hasattr(nn.Module, name)  # forward, extra_repr: torch's, called by it or for it
                 and not name.startswith("__")
                 and name not in found
