@@ -2,11 +2,12 @@
 fit the budget is refused before any weight is read, not at the decode step that outgrows it.
 
 The cache is predicted from the config (``kv_cache.predicted_cache_bytes``: each layer's keys and values
-at full attention or over its sliding window, as Transformers reads the layer types) for the batch and
-the final length the call asks for. Only where that is what the cache holds: a decoder whose
-``forward`` takes a cache and whose layers are all of those two kinds (no state-space layers, no
-compressed latent or shared caches). Elsewhere nothing is predicted, and the engine measures each call
-as before (``activations``).
+at full attention or over its sliding window, as Transformers reads the layer types, or latent
+attention's latents) for the batch and the final length the call asks for. Only where that is what the
+cache holds: a decoder whose ``forward`` takes a cache and whose layers are all of those kinds (no
+state-space layers, no shared caches). Elsewhere nothing is predicted, and the engine measures each
+call as before (``activations``). A decode step of latent attention also holds one layer's latents
+expanded to every head (``kv_cache.latent_expansion_bytes``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from fxoffload_hf.engine import Engine
-from fxoffload_hf.kv_cache import cache_positions, predicted_cache_bytes, text_config
+from fxoffload_hf.kv_cache import cache_positions, latent_expansion_bytes, predicted_cache_bytes, text_config
 from fxoffload_hf.kv_disk import cache_folder
 from fxoffload_hf.memory_model import BudgetTooSmallError, format_bytes
 from fxoffload_hf.micro_batches import split_generate
@@ -35,7 +36,7 @@ _CACHE_ARGUMENTS = {"cache", "past_key_values"}  # Transformers 5.25's name, and
 
 def predictable_cache(model: nn.Module) -> bool:
     """Whether the bytes of ``model``'s generate cache follow from its config (``kv_cache``)."""
-    return _decoder_with_cache(model) and cache_positions(model.config, 1) is not None
+    return _decoder_with_cache(model) and predicted_cache_bytes(model.config, 1, 1, 4) is not None
 
 
 def _decoder_with_cache(model: nn.Module) -> bool:
@@ -100,7 +101,9 @@ def _step_bytes(model: nn.Module, call: GenerateCall) -> int:
     per_row = (getattr(text, "vocab_size", 0) or 0) + 3 * (
         getattr(text, "intermediate_size", 0) or 4 * hidden
     )
-    return call.sequences * (per_row + 8 * hidden) * call.itemsize
+    # latent attention expands a layer's cached latents to every head's keys and values at each step
+    expansion = latent_expansion_bytes(model.config, call.sequences, call.positions, call.itemsize)
+    return call.sequences * (per_row + 8 * hidden) * call.itemsize + expansion
 
 
 def _generation_settings(model: nn.Module, kwargs: dict[str, Any]) -> Any:

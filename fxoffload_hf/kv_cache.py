@@ -4,17 +4,26 @@ Transformers builds a ``DynamicCache`` of one layer cache per decoder layer, of 
 (``cache_utils.get_layer_types_and_kwargs``): a full-attention layer keeps the keys and values of every
 position, a sliding-window layer those of the last ``sliding_window - 1`` positions. ``cache_positions``
 reads the same layer types through that function, so the prediction follows Transformers' own reading of
-the config; any other kind of layer (state-space states, chunked or compressed attention, layers that
-share another's cache) is not predicted.
+the config. Multi-head latent attention (DeepSeek's, a ``kv_lora_rank`` in the config) caches its
+compressed latents, one head of ``kv_lora_rank`` and one of ``qk_rope_head_dim`` per position (since
+Transformers 5.25, checked; earlier versions are not predicted), and an indexed layer (DeepSeek V3.2's
+sparse attention) its indexer's keys beside them. Any other kind of layer (state-space states, chunked
+attention, layers that share another's cache) is not predicted.
 """
 
 from __future__ import annotations
 
+import re
+from importlib.metadata import version
 from typing import Any
 
-# configs whose cache holds something other than keys and values of ``head_dim`` per head: compressed
-# latents (multi-head latent attention), state-space states beside the attention layers
-_OTHER_CACHES = ("kv_lora_rank", "state_size", "ssm_state_size")
+# configs whose cache holds something other than keys and values per head or latents: state-space
+# states beside the attention layers
+_OTHER_CACHES = ("state_size", "ssm_state_size")
+# the layer kinds whose cache holds every position (an indexed one: its indexer's keys too)
+_FULL = ("full_attention", "indexed_attention")
+# the Transformers from which latent attention caches its latents (checked on 5.25.0)
+_LATENTS_CACHED = tuple(map(int, re.findall(r"\d+", version("transformers"))[:2])) >= (5, 25)
 
 
 def _attr(config: Any, name: str) -> Any:
@@ -31,8 +40,18 @@ def text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _per_position_bytes(text: Any, itemsize: int) -> int | None:
-    """Bytes of one position's keys and values in one layer, for one sequence; None if not stated."""
+def _per_position_bytes(text: Any, itemsize: int, kind: str = "full_attention") -> int | None:
+    """Bytes of one position's keys and values in one layer of ``kind``, for one sequence; None if not
+    stated."""
+    latent = _attr(text, "kv_lora_rank")
+    if latent:
+        rope = _attr(text, "qk_rope_head_dim")
+        if not (_LATENTS_CACHED and isinstance(latent, int) and isinstance(rope, int)):
+            return None
+        indexer = _attr(text, "index_head_dim") if kind == "indexed_attention" else 0
+        return (latent + rope + (indexer if isinstance(indexer, int) else 0)) * itemsize
+    if kind == "indexed_attention":
+        return None
     heads = _attr(text, "num_attention_heads")
     hidden = _attr(text, "hidden_size")
     if not (isinstance(heads, int) and heads > 0):
@@ -43,20 +62,26 @@ def _per_position_bytes(text: Any, itemsize: int) -> int | None:
 
 
 def cache_positions(config: Any, length: int) -> list[int] | None:
-    """Positions each layer's cache holds once ``length`` tokens went through; None where a layer holds
-    anything else, or the layers cannot be told."""
+    """Positions each layer's cache holds once ``length`` tokens went through, where every layer keeps
+    keys and values per head (the layers whose eager calls ``eager_memory`` bounds, whose caches
+    ``reserved_cache`` and ``kv_disk`` hold); None where a layer holds anything else, or the layers
+    cannot be told."""
     text = text_config(config)
+    if _attr(text, "kv_lora_rank") not in (None, 0) or any(_layer_is_latent(c) for c in _layer_configs(text)):
+        return None
+    return _positions(text, length, ("full_attention",))
+
+
+def _positions(text: Any, length: int, full: tuple[str, ...]) -> list[int] | None:
+    """``cache_positions`` with the layer kinds in ``full`` holding every position."""
     if any(_attr(text, attr) not in (None, 0) for attr in _OTHER_CACHES):
         return None
-    try:
-        from transformers.cache_utils import get_layer_types_and_kwargs
-
-        kinds, kwargs = get_layer_types_and_kwargs(text)
-    except Exception:  # noqa: BLE001 - another Transformers, or a config it cannot read this way
+    kinds = _layer_kinds(text)
+    if kinds is None:
         return None
     positions = []
-    for kind, layer_kwargs in zip(kinds, kwargs, strict=True):
-        if kind == "full_attention":
+    for kind, layer_kwargs in kinds:
+        if kind in full:
             positions.append(length)
         elif kind == "sliding_attention" and isinstance(layer_kwargs.get("sliding_window"), int):
             positions.append(min(length, layer_kwargs["sliding_window"] - 1))
@@ -65,29 +90,72 @@ def cache_positions(config: Any, length: int) -> list[int] | None:
     return positions if len(positions) == _attr(text, "num_hidden_layers") else None
 
 
+def _layer_kinds(text: Any) -> list[tuple[str, dict[str, Any]]] | None:
+    """Each layer's cache kind and its arguments, as Transformers reads them; None where it cannot."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        kinds, kwargs = get_layer_types_and_kwargs(text)
+    except Exception:  # noqa: BLE001 - another Transformers, or a config it cannot read this way
+        return None
+    return list(zip(kinds, kwargs, strict=True))
+
+
+def _layer_configs(text: Any) -> list[Any]:
+    """Each layer's config (Transformers' ``per_layer_config`` where layers differ), else the config for
+    every layer."""
+    layers = _attr(text, "num_hidden_layers")
+    try:
+        return list(text.per_layer_config)
+    except Exception:  # noqa: BLE001 - an older Transformers, or a config without per-layer views
+        return [text] * (layers if isinstance(layers, int) else 0)
+
+
+def _layer_is_latent(config: Any) -> bool:
+    return _attr(config, "kv_lora_rank") not in (None, 0)
+
+
 def _per_layer_position_bytes(text: Any, itemsize: int) -> list[int] | None:
     """Each layer's bytes per position and sequence, from its own config where layers differ (Transformers'
     ``per_layer_config``: another head size for global layers, say); None where one is not stated."""
-    layers = _attr(text, "num_hidden_layers")
-    if not isinstance(layers, int):
+    configs = _layer_configs(text)
+    kinds = _layer_kinds(text)
+    if not configs or len(configs) != _attr(text, "num_hidden_layers"):
         return None
-    try:
-        configs = list(text.per_layer_config)
-    except Exception:  # noqa: BLE001 - an older Transformers, or a config without per-layer views
-        configs = [text] * layers
-    sizes = [_per_position_bytes(c, itemsize) for c in configs]
-    if len(sizes) != layers or any(size is None for size in sizes):
+    names = [kind for kind, _ in kinds] if kinds is not None else ["full_attention"] * len(configs)
+    if len(names) != len(configs):
+        return None
+    sizes = [_per_position_bytes(c, itemsize, kind) for c, kind in zip(configs, names, strict=True)]
+    if any(size is None for size in sizes):
         return None
     return sizes  # type: ignore[return-value]
 
 
 def predicted_cache_bytes(config: Any, batch: int, length: int, itemsize: int) -> int | None:
-    """Bytes of the cache of ``batch`` sequences after ``length`` tokens; None where not predicted."""
-    positions = cache_positions(config, length)
-    per_position = _per_layer_position_bytes(text_config(config), itemsize)
+    """Bytes of the cache of ``batch`` sequences after ``length`` tokens (latent attention's latents
+    and indexed layers' indexer keys too); None where not predicted."""
+    text = text_config(config)
+    positions = _positions(text, length, _FULL)
+    per_position = _per_layer_position_bytes(text, itemsize)
     if positions is None or per_position is None:
         return None
     return batch * sum(p * b for p, b in zip(positions, per_position, strict=True))
+
+
+def latent_expansion_bytes(config: Any, batch: int, length: int, itemsize: int) -> int:
+    """What a decode step of latent attention holds beside the cache at ``length`` positions: one
+    layer's latents expanded to every head's keys and values (and the projection they come from), for
+    the layer that expands most; 0 without latent layers."""
+    most = 0
+    for layer in _layer_configs(text_config(config)):
+        if not _layer_is_latent(layer):
+            continue
+        heads = _attr(layer, "num_attention_heads") or 0
+        nope, rope, value = (
+            _attr(layer, n) or 0 for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        )
+        most = max(most, heads * (2 * nope + rope + 2 * value))
+    return batch * length * most * itemsize
 
 
 def kv_cache_bytes(config: Any, batch: int, seq_len: int, itemsize: int) -> int:

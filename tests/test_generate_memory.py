@@ -59,6 +59,32 @@ def _small(config_class, **extra):
     )  # fmt: skip
 
 
+def _latent(config_class, **extra):
+    return config_class(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=1000, kv_lora_rank=16, q_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_group=1, topk_group=1, **extra,
+    )  # fmt: skip
+
+
+def test_latent_attention_is_predicted_for_generate_but_not_for_the_layers_bounds_and_caches():
+    """A latent cache is predicted for ``generate`` (beside each decode step's latents expanded to every
+    head), but the eager bound, the reserved cache and the cache on disk read keys and values per head:
+    for them its layers are not predicted (``cache_positions``)."""
+    from fxoffload_hf.kv_cache import cache_positions, latent_expansion_bytes
+
+    config = _latent(tf.DeepseekV3Config)
+    model = _tiny(config)
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    assert final_kv_bytes(model, (ids,), {"max_new_tokens": 7}) == 2 * 11 * 3 * (16 + 8) * 4
+    assert predictable_cache(model) and cache_positions(config, 11) is None
+    dense = decode_step_bytes(_tiny(_small(tf.LlamaConfig)), (ids,), {"max_new_tokens": 7})
+    expansion = latent_expansion_bytes(config, 2, 11, 4)
+    assert expansion == 2 * 11 * 4 * (2 * 16 + 8 + 2 * 16) * 4
+    assert decode_step_bytes(model, (ids,), {"max_new_tokens": 7}) == dense + expansion
+
+
 @pytest.mark.parametrize(
     "config",
     [
@@ -68,19 +94,23 @@ def _small(config_class, **extra):
         _small(tf.Gemma3TextConfig, sliding_window=4, sliding_window_pattern=2),
         # global layers with another head size than the sliding ones (a per-layer attribute)
         _small(tf.Gemma4TextConfig, sliding_window=4, global_head_dim=32),
+        _latent(tf.DeepseekV3Config),  # latent attention: its compressed latents cached
+        _latent(tf.DeepseekV32Config, index_head_dim=16, index_n_heads=2, index_topk=4),  # and indexer keys
     ],
-    ids=["full", "sliding", "alternating", "pattern", "per-layer-heads"],
+    ids=["full", "sliding", "alternating", "pattern", "per-layer-heads", "latent", "latent-indexed"],
 )
 def test_the_prediction_is_the_cache_eager_generate_leaves(config):
     """What Transformers' own cache holds at the end of a greedy generate, byte for byte, for layers of
-    full attention, sliding windows, both, and layers of different head sizes."""
+    full attention, sliding windows, both, layers of different head sizes, and latent attention (its
+    latents, and an indexed layer's indexer keys)."""
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(1, 1000, (3, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=5, return_dict_in_generate=True, **GREEDY)
     cache = out.past_key_values
-    held = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+    kept = ("keys", "values", "indexer_keys")
+    held = sum(getattr(layer, name).nbytes for layer in cache.layers for name in kept if hasattr(layer, name))
     assert final_kv_bytes(model, (ids,), {"max_new_tokens": 5}) == held > 0
 
 
