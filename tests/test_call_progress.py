@@ -46,7 +46,7 @@ def test_the_budget_a_refusal_names_runs_a_call_cut_into_many_graphs(tmp_path, m
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
+        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2,
     )  # fmt: skip
     eager = transformers.LlamaForCausalLM(config).eval()
@@ -68,6 +68,6 @@ def test_the_budget_a_refusal_names_runs_a_call_cut_into_many_graphs(tmp_path, m
             graphs = len(fxoffload_hf.engine_of(model).runners)
             fxoffload_hf.restore(model)
     assert len(refusals) == 1 and "the graphs still to come hold about" in str(refusals[0])
-    assert graphs > 6  # cut at every layer
+    assert graphs > 4  # cut at every layer
     with torch.no_grad():
         assert torch.equal(got, eager(ids).logits)
