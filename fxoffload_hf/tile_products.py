@@ -31,7 +31,7 @@ from fxoffload_hf.tile_buffer import whole_shaped
 _PAGE = mmap.PAGESIZE
 # keys of the shapes whose tiles compute alone exactly (True) or not (False); the oldest let go past this
 # many (a new prompt length is a new key: the verdicts of a long job's many shapes are cheap to learn
-# again): room for the tiles of 64 weights cut in ``tiles.MOST_TILES`` (a few hundred bytes each), so that
+# again): room for the tiles of 64 weights cut in ``tiles.MOST_GRAPH_TILES`` (a few hundred bytes each), so that
 # a call does not lose its own verdicts as it runs (cleared whole, a call with more tiles than this did)
 _MOST_VERDICTS = 16384
 _verdicts: dict[Hashable, bool] = {}

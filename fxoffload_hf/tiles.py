@@ -78,7 +78,7 @@ ROW_GROUP = 16
 # product of its own, and planning weighs every piece against the others, so that budgets a few hundred
 # KiB above the floor would cut a 64 MiB projection into thousands of tiles and take minutes to plan
 # (measured: 7,646 pieces, six minutes); the floor this sets is a weight's 256th beside the rest
-MOST_TILES = 256
+MOST_GRAPH_TILES = 256
 
 
 def fewest_rows(shape: Sequence[int], itemsize: int) -> int:
@@ -89,16 +89,16 @@ def fewest_rows(shape: Sequence[int], itemsize: int) -> int:
 
 def fewest_tile_rows(shape: Sequence[int], itemsize: int) -> int:
     """The fewest rows a tile of a weight of ``shape`` takes: whole pages (``fewest_rows``), and enough
-    that the weight makes at most ``MOST_TILES`` tiles."""
+    that the weight makes at most ``MOST_GRAPH_TILES`` tiles."""
     step = fewest_rows(shape, itemsize)
-    need = max(step, -(-shape[0] // MOST_TILES))
+    need = max(step, -(-shape[0] // MOST_GRAPH_TILES))
     group = math.lcm(step, ROW_GROUP)
     unit = group if need >= group else step  # as ``rows_per_tile`` rounds
     return min(shape[0], -(-need // unit) * unit)
 
 
 def graph_tile_rows(shape: Sequence[int], itemsize: int, target_bytes: int) -> int:
-    """``rows_per_tile``, or 0 where that would cut the weight into more than ``MOST_TILES`` tiles."""
+    """``rows_per_tile``, or 0 where that would cut the weight into more than ``MOST_GRAPH_TILES`` tiles."""
     rows = rows_per_tile(shape, itemsize, target_bytes)
     return rows if rows >= fewest_tile_rows(shape, itemsize) else 0
 
@@ -255,7 +255,7 @@ def tile_oversized(
                 f"not even {record.name} alone ({format_bytes(unit)}) fits"
                 if unit >= record.footprint
                 else f"not even the smallest tile of {kind} of {record.name} ({format_bytes(unit)}{copy}, "
-                f"a weight making at most {MOST_TILES} tiles) fits"
+                f"a weight making at most {MOST_GRAPH_TILES} tiles) fits"
             )
             short.append((memory.smallest_budget(unit, activations), why))
     if short:

@@ -219,12 +219,12 @@ def test_tiles_are_sized_beside_the_graphs_state(tmp_path, save_checkpoint, logi
 
 
 @pytest.mark.parametrize("shape", [(100_000, 64), (16_384, 1024), (300, 1000)])
-def test_a_weight_is_cut_into_at_most_most_tiles_tiles(shape) -> None:
-    """Tiles of rows take at least a weight's ``MOST_TILES``-th (a budget that would cut it finer gets
+def test_a_graphs_weight_is_cut_into_at_most_most_graph_tiles_tiles(shape) -> None:
+    """Tiles of rows take at least a weight's ``MOST_GRAPH_TILES``-th (a budget that would cut it finer gets
     none: the weight then streams whole where it fits, or the budget is refused naming that tile)."""
     itemsize, row = 4, shape[1] * 4
     fewest = tiles.fewest_tile_rows(shape, itemsize)
-    assert -(-shape[0] // fewest) <= tiles.MOST_TILES
+    assert -(-shape[0] // fewest) <= tiles.MOST_GRAPH_TILES
     assert fewest % tiles.fewest_rows(shape, itemsize) == 0 or fewest == shape[0]
     assert tiles.graph_tile_rows(shape, itemsize, fewest * row - 1) == 0
     assert tiles.graph_tile_rows(shape, itemsize, fewest * row) == fewest
