@@ -67,7 +67,7 @@ def cache_positions(config: Any, length: int) -> list[int] | None:
     ``reserved_cache`` and ``kv_disk`` hold); None where a layer holds anything else, or the layers
     cannot be told."""
     text = text_config(config)
-    if _attr(text, "kv_lora_rank") not in (None, 0) or any(_layer_is_latent(c) for c in _layer_configs(text)):
+    if any(_layer_is_latent(c) for c in (text, *_layer_configs(text))):
         return None
     return _positions(text, length, ("full_attention",))
 
@@ -112,6 +112,7 @@ def _layer_configs(text: Any) -> list[Any]:
 
 
 def _layer_is_latent(config: Any) -> bool:
+    """Whether ``config`` (a model's, or one layer's) has latent attention."""
     return _attr(config, "kv_lora_rank") not in (None, 0)
 
 
