@@ -4,7 +4,9 @@ Run ``.venv/bin/python benchmarks/bench_cold_start.py`` from the repository root
 The model is a random Llama of about 0.77 GB with a large vocabulary against its width (vocab 32,000,
 hidden 1,024, fp32), built once. Each mode runs in its own child, modes interleaved round by round:
 eager (all in RAM), accelerate's disk offload and fxoffload_hf with ``capture="first-call"`` and
-``capture="deferred"`` (the default), the offloaded ones at ``cpu_memory`` = a quarter of the weights. Each child
+``capture="deferred"`` (the default), each in a first process (compile cache off) and, ``+cache``, in a
+second one (the compile cache written by an untimed process before the rounds), the offloaded ones at
+``cpu_memory`` = a quarter of the weights. Each child
 times the load, the first ``generate`` (64-token prompt, 16 new tokens) and a second one, and checks its
 tokens against eager's. Figures are medians over the rounds; compare them only within one run.
 """
@@ -25,12 +27,13 @@ from harness.children import add_child_options, run_child
 from harness.protocol import emit
 
 SCRIPT = Path(__file__).resolve()
-MODES = ("eager", "accelerate", "fx-first-call", "fx-deferred")
+MODES = ("eager", "accelerate", "fx-first-call", "fx-first-call+cache", "fx-deferred", "fx-deferred+cache")
+CACHED = "+cache"
 PROMPT_TOKENS = 64
 BUDGET_SHARE = 0.25
 
 
-def child_run(mode: str, model_dir: Path, budget: int, new_tokens: int) -> None:
+def child_run(mode: str, model_dir: Path, budget: int, new_tokens: int, cache_dir: Path) -> None:
     """Load ``model_dir`` in ``mode``, generate twice; emit the seconds and the tokens."""
     import torch
 
@@ -44,8 +47,11 @@ def child_run(mode: str, model_dir: Path, budget: int, new_tokens: int) -> None:
         if mode.startswith("fx-"):
             import fxoffload_hf
 
-            capture = mode.removeprefix("fx-")
-            lm = fxoffload_hf.from_pretrained(model_dir, cpu_memory=budget, device="cpu", capture=capture)
+            capture = mode.removeprefix("fx-").removesuffix(CACHED)
+            cache = cache_dir / capture if mode.endswith(CACHED) else False
+            lm = fxoffload_hf.from_pretrained(
+                model_dir, cpu_memory=budget, device="cpu", capture=capture, compile_cache=cache
+            )
         else:
             lm = model.load_model(mode, model_dir, budget, Path(offload_dir))
         loaded = time.perf_counter()
@@ -81,6 +87,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--model-dir", type=Path, default=None, help="cache folder of the model (built once)")
     add("--out", type=Path, default=Path("bench_results/bench_cold_start.json"), help="where the JSON goes")
     add("--timeout", type=float, default=600, help="seconds a child may take (default 600)")
+    add("--cache-dir", type=Path, default=None, help="the +cache modes' compile cache (default: a new one)")
     add(
         "--cold-cache",
         action="store_true",
@@ -100,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         emit({"event": "built", **model.build(args.model_dir, config)})
         return 0
     if args.child is not None:
-        child_run(args.child, args.model_dir, args.budget, args.new_tokens)
+        child_run(args.child, args.model_dir, args.budget, args.new_tokens, args.cache_dir)
         return 0
     logs = args.out.parent / "logs"
     common = ["--model-dir", str(args.model_dir), "--size-gb", str(args.size_gb)]
@@ -114,12 +121,19 @@ def main(argv: list[str] | None = None) -> int:
     budget = int(weights * BUDGET_SHARE)
     modes = [m for m in args.modes.split(",") if m]
     rows: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    cache_dir = args.cache_dir or Path(tempfile.mkdtemp(prefix="bench-cold-cache-"))
+    common += ["--budget", str(budget), "--new-tokens", str(args.new_tokens), "--cache-dir", str(cache_dir)]
+    for mode in (m for m in modes if m.endswith(CACHED)):  # the first process, which fills the cache
+        primed = run_child(SCRIPT, ["--child", mode, *common], args.timeout, logs / f"cold-{mode}-prime.log")
+        if primed.result is None:
+            print(f"{mode}: no result\n{primed.log_tail()}", file=sys.stderr)
+            return 1
     for round_ in range(args.rounds):
         for mode in modes:
             if args.cold_cache and not disk.drop_caches():
                 print("--cold-cache needs root (/proc/sys/vm/drop_caches)", file=sys.stderr)
                 return 1
-            argv_ = ["--child", mode, "--budget", str(budget), "--new-tokens", str(args.new_tokens), *common]
+            argv_ = ["--child", mode, *common]
             run = run_child(SCRIPT, argv_, args.timeout, logs / f"cold-{mode}-{round_}.log")
             if run.result is None:
                 print(f"{mode}: no result\n{run.log_tail()}", file=sys.stderr)

@@ -69,6 +69,7 @@ def offload(
     policy: str = "auto",
     compile: str | None = None,
     capture: str | None = None,
+    compile_cache: bool | str | os.PathLike[str] | None = None,
     checkpoint: Mapping[str, TensorSlice] | None = None,
     entry_points: tuple[str, ...] = ("forward",),
 ) -> nn.Module:
@@ -94,6 +95,11 @@ def offload(
             and its inputs (``eager_memory``) fits the budget beside the largest module's weights;
             otherwise it is captured. ``"first-call"`` captures and plans each entry point at its first
             call.
+        compile_cache: where what dynamo captured is kept for the next process with the same model,
+            budgets and versions (``fxoffload_hf.compile_cache``): a folder, True for the default
+            (``$FXOFFLOAD_HF_COMPILE_CACHE``, else ``~/.cache/fxoffload_hf/compiled``), False for none.
+            Left out, it is used without a ``cpu_memory`` budget (with one, a first process's capture
+            into the cache holds memory the budget does not count yet).
         checkpoint: parameter name → where its bytes lie in a safetensors file, for parameters on the
             meta device (used by ``from_pretrained``).
         entry_points: methods of ``model`` to run through the engine.
@@ -112,6 +118,7 @@ def offload(
         policy=policy,
         compile=compile,
         capture=capture,
+        compile_cache=compile_cache,
     )
     checkpoint = checkpoint or {}
     large, small = _split_parameters(model, config, checkpoint)

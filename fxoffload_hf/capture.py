@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +19,9 @@ import torch
 import torch.fx.experimental._config as shape_config
 from torch import nn
 
-from fxoffload_hf import blocks
+from fxoffload_hf import blocks, dynamo_package
 from fxoffload_hf.blocks import BlockRegions
+from fxoffload_hf.compile_cache import EntryCache
 from fxoffload_hf.weight_record import WeightRecord
 from fxoffload_hf.weights import WeightStore
 
@@ -116,6 +117,7 @@ def compile_entry(
     backend: Callable[..., Any],
     regions: BlockRegions | None = None,
     dynamic: bool = True,
+    cache: EntryCache | None = None,
 ) -> Callable[..., Any]:
     """``torch.compile`` ``fn`` with our backend, called in one canonical form.
 
@@ -128,13 +130,20 @@ def compile_entry(
     dynamo (a pending unbacked symbol). ``regions`` (the model's repeated blocks) are given up, and the
     call captured again without them, when dynamo cannot capture one. ``dynamic=False`` (a plan of one
     call's sizes) keeps every size static: no symbols to reason about, about half dynamo's tracing.
+    ``cache``: the entry's compile cache (``compile_cache``), installed now and captured into.
     """
-    compiled = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=False)
+    if cache is None:
+        compiled = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=False)
+    else:
+        # torch.compile's own path, with a package of the frame to save (``compile_cache``)
+        package = cache.package_for(fn)
+        compiled = torch._dynamo.optimize(cache.backend(backend), dynamic=dynamic, package=package)(fn)
     canonical = canonical_call(fn)
+    saving = dynamo_package.saving_guards if cache is not None else nullcontext
 
     def run(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = canonical(args, kwargs)
-        with capture_settings():
+        with capture_settings(), saving():
             try:
                 return compiled(*args, **kwargs)
             except torch._dynamo.exc.UncapturedHigherOrderOpError:
@@ -225,7 +234,10 @@ def graph_check(fn: Callable[..., Any]) -> Callable[[tuple[Any, ...], dict[str, 
             free[name] = cell.cell_contents
 
     def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
+        entries: list[Any] = [
+            *torch._dynamo.eval_frame._debug_get_cache_entry_list(code),
+            *torch._C._dynamo.eval_frame._debug_get_precompile_entries(code),  # installed from the cache
+        ]
         if not entries:
             return False
         args, kwargs = canonical(args, kwargs)

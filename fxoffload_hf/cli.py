@@ -199,6 +199,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         cpu_memory=args.cpu_memory,
         device=args.device,
         capture=args.capture,
+        compile_cache=args.compile_cache,
     )
     prompts = [tokenizer(prompt, return_tensors="pt") for prompt in args.prompt]
     greedy = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
@@ -323,6 +324,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="deferred (the default, or $FXOFFLOAD_HF_CAPTURE): run eagerly until capture is worth its "
         "cost, so a short answer comes sooner; first-call: capture and plan at the first call (the "
         "default with --timeline or --trace)",
+    )
+    gen.add_argument(
+        "--compile-cache",
+        default=None,
+        help="folder of the compile cache, or 'off' (default: $FXOFFLOAD_HF_COMPILE_CACHE, else "
+        "~/.cache/fxoffload_hf/compiled): what is captured once is not captured again by the next run",
     )
     gen.add_argument("--timeline", default=None, help="write a PNG of copy and compute per piece over time")
     gen.add_argument("--trace", default=None, help="write the same as a Chrome trace (JSON) for Perfetto")

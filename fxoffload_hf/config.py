@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from fxoffload_hf.compile_cache import resolve_cache_dir
 from fxoffload_hf.memory import free_device_memory, free_host_memory
 
 _UNITS = {
@@ -160,6 +161,7 @@ class OffloadConfig:
     capture: str = "deferred"
     resident_threshold: int = RESIDENT_THRESHOLD
     profile_calls: int = 1
+    compile_cache: Path | None = None  # the compile cache's folder (``compile_cache``); None: off
 
     @classmethod
     def build(
@@ -172,6 +174,7 @@ class OffloadConfig:
         policy: str = "auto",
         compile: str | None = None,
         capture: str | None = None,
+        compile_cache: bool | str | os.PathLike[str] | None = None,
     ) -> OffloadConfig:
         """Validate user-facing arguments (see ``fxoffload_hf.offload``) and build the config."""
         dev = resolve_device(device)
@@ -190,4 +193,5 @@ class OffloadConfig:
             policy=policy,
             compile=compile,
             capture=capture,
+            compile_cache=resolve_cache_dir(compile_cache, host_budget=cpu_budget is not None),
         )

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxoffload_hf import eager_paths
+from fxoffload_hf import compile_cache, eager_paths
 from fxoffload_hf.capture import compile_entry, graph_check
 from fxoffload_hf.eager_fallback import EagerWeights
 from fxoffload_hf.eager_forwards import unwrapped_forward
@@ -62,7 +62,8 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
     original = unwrapped_forward(getattr(target, attr))
     # made at the first call that captures (``torch.compile`` itself takes a fifth of a second, which a
     # deferred model's short job need not pay)
-    compiled = functools.cache(lambda: compile_entry(original, engine))
+    cache = _entry_cache(model, entry, engine)
+    compiled = functools.cache(lambda: compile_entry(original, engine, cache=cache))
     served = graph_check(original)  # whether a captured graph serves a call
 
     @functools.wraps(original)
@@ -93,7 +94,8 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                         return _run_eagerly(engine, eager, original, args, kwargs)
                 engine.call_started = time.perf_counter()
                 capturing = True
-                return compiled()(*args, **kwargs)
+                with compile_cache.running(engine):
+                    return compiled()(*args, **kwargs)
             except BaseException as exc:
                 eager.unwind(lent)  # an interrupt skips the modules' post-hooks
                 inner = getattr(exc, "inner_exception", None)
@@ -114,9 +116,20 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                     # capture leaves the call's tensors (a KV cache of hundreds of MiB) in reference
                     # cycles of dynamo's state: free them now, not at Python's next collection
                     gc.collect()
+                if cache is not None:
+                    cache.save()
 
     undo.append(PatchedAttribute(target, attr, attr in target.__dict__, target.__dict__.get(attr)))
     setattr(target, attr, run)
+
+
+def _entry_cache(model: nn.Module, entry: str, engine: Engine) -> compile_cache.EntryCache | None:
+    """The compile cache of ``model``'s ``entry``, where the cache is on."""
+    folder = engine.config.compile_cache
+    if folder is None:
+        return None
+    key = functools.partial(compile_cache.entry_key, model, entry, engine.config)
+    return compile_cache.EntryCache(folder, key, f"{type(model).__name__}.{entry}")
 
 
 def _run_eagerly(

@@ -29,6 +29,9 @@ os.environ["FXOFFLOAD_HF_CAPTURE"] = "first-call"
 # its budgets force many pieces and every tier on tiny models, below what dynamo's state of their graphs
 # takes: that state is counted where a test asks for it (``counted_graph_state``)
 os.environ["FXOFFLOAD_HF_COUNT_GRAPH_STATE"] = "0"
+# the compile cache is tested where a test asks for it (``tests/test_compile_cache.py``): other tests
+# capture as a first process does, and write nothing outside their temporary folders
+os.environ.setdefault("FXOFFLOAD_HF_COMPILE_CACHE", "off")
 # ``make test`` runs the suite in several workers (pytest-xdist): the cores are shared among them
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, 2 // _WORKERS))

@@ -30,6 +30,7 @@ from torch import nn
 import fxoffload_hf
 from fxoffload_hf.callbacks.loop_blocks import LoopInBlocks
 from fxoffload_hf.capture import handle_of
+from fxoffload_hf.compile_cache import resolve_cache_dir
 from fxoffload_hf.config import POLICIES, BudgetSpec, parse_budget, resolve_capture
 from fxoffload_hf.stats import Stats
 
@@ -37,7 +38,7 @@ _IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 _STAGES = ("predict", "test", "validate")
 _TARGET_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _MISSING = object()
-_DEFAULTS = {"policy": "auto", "capture": None}
+_DEFAULTS = {"policy": "auto", "capture": None, "compile_cache": None}
 
 
 class FxOffloadCallback(Callback):
@@ -67,6 +68,7 @@ class FxOffloadCallback(Callback):
             offloads the LightningModule itself.
         policy: ``"auto"`` or ``"sequential"`` (see ``fxoffload_hf.offload``).
         capture: ``"deferred"`` (the default) or ``"first-call"`` (see ``fxoffload_hf.offload``).
+        compile_cache: the compile cache's folder, True or False (see ``fxoffload_hf.offload``).
         log_stats: log bytes streamed, the share of copy time hidden and peak memory per device.
         batches_per_block: run this many consecutive batches of a predict, test or validate loop as one
             block: each graph of the model runs once for all of them, so each weight streams in once per
@@ -91,6 +93,7 @@ class FxOffloadCallback(Callback):
         log_stats: bool = True,
         capture: str | None = None,
         batches_per_block: int = 1,
+        compile_cache: bool | str | os.PathLike[str] | None = None,
     ) -> None:
         # percentages are resolved against free memory at setup; here only their form is checked
         parse_budget(gpu_memory, free_bytes=2**40, what="gpu_memory")
@@ -106,6 +109,8 @@ class FxOffloadCallback(Callback):
             raise ValueError(f"policy: {policy!r} is not one of {POLICIES}")
         if capture is not None:
             resolve_capture(capture)
+        if compile_cache is not None:
+            resolve_cache_dir(compile_cache)
         if (
             isinstance(batches_per_block, bool)
             or not isinstance(batches_per_block, int)
@@ -120,6 +125,7 @@ class FxOffloadCallback(Callback):
         self.target = target
         self.policy = policy
         self.capture = capture
+        self.compile_cache = compile_cache
         self.log_stats = log_stats
         self.batches_per_block = batches_per_block
         self._blocks: LoopInBlocks | None = None
@@ -170,6 +176,7 @@ class FxOffloadCallback(Callback):
                 device=self._device,
                 policy=self.policy,
                 capture=self.capture,
+                compile_cache=self.compile_cache,
             )
         else:
             self._check_offloaded_before(module, trainer)
@@ -207,7 +214,11 @@ class FxOffloadCallback(Callback):
         given = [name for name, value in own.items() if value is not None]
         given += [
             f"{name}={value!r}"
-            for name, value in (("policy", self.policy), ("capture", self.capture))
+            for name, value in (
+                ("policy", self.policy),
+                ("capture", self.capture),
+                ("compile_cache", self.compile_cache),
+            )
             if value != _DEFAULTS[name]
         ]
         what = type(module).__name__

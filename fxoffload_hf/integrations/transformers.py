@@ -43,6 +43,7 @@ def from_pretrained(
     device: str | torch.device | None = None,
     policy: str = "auto",
     capture: str | None = None,
+    compile_cache: bool | str | os.PathLike[str] | None = None,
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     auto_class: Any = None,
@@ -53,7 +54,8 @@ def from_pretrained(
     Args:
         path: a local checkpoint folder (or a hub id already in the local cache).
         offload: ``"fx"`` to offload; ``None`` for Hugging Face's own ``from_pretrained``.
-        gpu_memory, cpu_memory, offload_folder, device, policy, capture: as for ``fxoffload_hf.offload``.
+        gpu_memory, cpu_memory, offload_folder, device, policy, capture, compile_cache: as for
+            ``fxoffload_hf.offload``.
         dtype: compute dtype (``torch.bfloat16``, ``"float16"``, ...); weights convert as they stream.
         allow_pickle: pickle checkpoints (``.bin``/``.pt``) are refused unless this is True; they are
             then read with ``torch.load(weights_only=True)``.
@@ -82,6 +84,7 @@ def from_pretrained(
             "device": device is not None,
             "policy": policy != "auto",
             "capture": capture is not None,
+            "compile_cache": compile_cache is not None,
         }
         named = [name for name, set_ in given.items() if set_]
         if named:
@@ -126,6 +129,7 @@ def from_pretrained(
             device=placement.device,
             policy=policy,
             capture=capture,
+            compile_cache=compile_cache,
             checkpoint=checkpoint,
             entry_points=_entry_points(model),
         )
