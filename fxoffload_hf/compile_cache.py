@@ -29,7 +29,6 @@ import pickle
 import shutil
 import sys
 import tempfile
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -144,7 +143,6 @@ class LoadedGraph:
     def __init__(self, data: bytes) -> None:
         self._data = data
         self._graph: fx.GraphModule | None = None  # read, not yet given to an engine
-        self._entries: weakref.WeakKeyDictionary[Engine, Callable[..., Any]] = weakref.WeakKeyDictionary()
 
     def _read(self) -> fx.GraphModule:
         graph, self._graph = self._graph, None
@@ -155,9 +153,10 @@ class LoadedGraph:
         if engine is None:
             self._graph = self._read()
             return self._graph(*args)
-        entry = self._entries.get(engine)
+        # kept by the engine, not here: installed graphs live as long as the process, engines do not
+        entry = engine.installed_graphs.get(self)
         if entry is None:
-            entry = self._entries[engine] = engine(self._read(), list(args))
+            entry = engine.installed_graphs[self] = engine(self._read(), list(args))
         return entry(*args)
 
 

@@ -77,6 +77,8 @@ class Engine:
         self.expected_activations = 0
         self.weight_sizes: dict[str, int] = {}
         self.observers: tuple[Observer, ...] = ()  # watching every runner (timelines)
+        # this engine's entry for each graph installed from the compile cache (``compile_cache.LoadedGraph``)
+        self.installed_graphs: dict[object, Callable[..., Any]] = {}
         self._inputs: list[GraphInput] = []
         self._inline_now: list[bool] = []  # per graph: running its inline schedule
         self.plan: ModelPlan | None = None
