@@ -8,6 +8,7 @@ Test modules take these helpers as fixtures (``build_model``, ``example_input``,
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from torch import nn
 
 import fxoffload_hf
 from fxoffload_hf.align import align_shards_in_place
+from fxoffload_hf.progress import logger as progress_logger
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -202,6 +204,29 @@ def assert_not_offloaded(model: nn.Module, before: dict[str, tuple[nn.Parameter,
 # Each helper fixture hands out the function above (session scope: module- and session-scoped fixtures
 # can use them too). The fixtures are registered under the helpers' names; the module attributes of
 # those names stay the plain functions.
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def report_lines():
+    """The lines fxoffload reports (``progress``) while the test runs, as a list of messages."""
+    lines = _Lines()
+    level = progress_logger.level
+    progress_logger.addHandler(lines)
+    progress_logger.setLevel(logging.INFO)
+    try:
+        yield lines.lines
+    finally:
+        progress_logger.removeHandler(lines)
+        progress_logger.setLevel(level)
 
 
 @pytest.fixture(name="build_model", scope="session")

@@ -4,7 +4,6 @@ process; a bad entry ignored; the key; graphs as bytes."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -17,7 +16,6 @@ from torch import fx
 import fxoffload_hf
 from fxoffload_hf import compile_cache, dynamo_package
 from fxoffload_hf.config import OffloadConfig
-from fxoffload_hf.progress import logger
 
 _CHILD = Path(__file__).with_name("compile_cache_child.py")
 _BUDGET = 300_000  # forces tiles and many pieces on the tiny Llama
@@ -64,35 +62,34 @@ def test_a_second_process_runs_the_saved_graphs_without_capturing_and_exactly(ll
     assert second_stats["captured"] == 0  # every call ran graphs installed from the cache
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
+def _offloaded_logits(model, ids, cache, before=lambda: None):
+    """``model``'s logits for ``ids``, offloaded with the compile cache ``cache`` (``before()`` is called
+    after offloading, before the call: its result is returned beside the logits), then restored."""
+    fxoffload_hf.offload(model, cpu_memory=600_000, device="cpu", compile_cache=cache)
+    try:
+        ready = before()
+        with torch.no_grad():
+            return model(ids).logits, ready
+    finally:
+        fxoffload_hf.restore(model)
 
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
-
-def test_a_corrupt_entry_is_removed_and_the_call_captured_anew(tiny, example_input, tmp_path):
+def test_a_corrupt_entry_is_removed_and_the_call_captured_anew(tiny, example_input, tmp_path, report_lines):
     model = tiny("llama")
     ids = example_input(model)
     with torch.no_grad():
         expected = model(ids).logits
     cache = tmp_path / "cache"
-    lines = _Lines()
-    logger.addHandler(lines)
-    fxoffload_hf.offload(model, cpu_memory=600_000, device="cpu", compile_cache=cache)
-    key = compile_cache.entry_key(model, "forward", fxoffload_hf.engine_of(model).config)
-    (cache / key).mkdir(parents=True)
-    (cache / key / "entry").write_bytes(b"not a pickle")
-    try:
-        with torch.no_grad():
-            got = model(ids).logits
-    finally:
-        logger.removeHandler(lines)
-        fxoffload_hf.restore(model)
+
+    def corrupt_entry() -> str:
+        key = compile_cache.entry_key(model, "forward", fxoffload_hf.engine_of(model).config)
+        (cache / key).mkdir(parents=True)
+        (cache / key / "entry").write_bytes(b"not a pickle")
+        return key
+
+    got, key = _offloaded_logits(model, ids, cache, corrupt_entry)
     assert torch.equal(got, expected)
-    assert any("cannot be used" in line and "captured anew" in line for line in lines.lines), lines.lines
+    assert any("cannot be used" in line and "captured anew" in line for line in report_lines), report_lines
     # the fresh capture is saved in its place
     assert (cache / key / "entry").read_bytes() != b"not a pickle"
 
@@ -167,12 +164,7 @@ def test_a_graph_saved_before_a_hook_is_not_served_to_a_model_with_the_hook(tiny
     cache = tmp_path / "cache"
     first = tiny("llama")
     ids = example_input(first)
-    fxoffload_hf.offload(first, cpu_memory=600_000, device="cpu", compile_cache=cache)
-    try:
-        with torch.no_grad():
-            first(ids)
-    finally:
-        fxoffload_hf.restore(first)
+    _offloaded_logits(first, ids, cache)
     assert list(cache.glob("*/entry"))
     hooked = tiny("llama")
     seen: list[torch.Size] = []
@@ -180,11 +172,6 @@ def test_a_graph_saved_before_a_hook_is_not_served_to_a_model_with_the_hook(tiny
     with torch.no_grad():
         expected = hooked(ids).logits
     seen.clear()
-    fxoffload_hf.offload(hooked, cpu_memory=600_000, device="cpu", compile_cache=cache)
-    try:
-        with torch.no_grad():
-            got = hooked(ids).logits
-    finally:
-        fxoffload_hf.restore(hooked)
+    got, _ = _offloaded_logits(hooked, ids, cache)
     assert torch.equal(got, expected)
     assert seen == [expected.shape[:2] + (hooked.config.hidden_size,)]
