@@ -98,8 +98,8 @@ def offload(
         compile_cache: where what dynamo captured is kept for the next process with the same model,
             budgets and versions (``fxoffload_hf.compile_cache``): a folder, True for the default
             (``$FXOFFLOAD_HF_COMPILE_CACHE``, else ``~/.cache/fxoffload_hf/compiled``), False for none.
-            Left out, it is used without a ``cpu_memory`` budget (with one, a first process's capture
-            into the cache holds memory the budget does not count yet).
+            Left out, it is used without a ``cpu_memory`` budget; with one, only where asked for (a graph
+            saved in it holds more memory, which the budget then counts).
         checkpoint: parameter name → where its bytes lie in a safetensors file, for parameters on the
             meta device (used by ``from_pretrained``).
         entry_points: methods of ``model`` to run through the engine.

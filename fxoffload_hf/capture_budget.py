@@ -31,6 +31,7 @@ class CaptureBudget:
         self.in_budget = counts and memory.budget is not None and memory.budget_name == "cpu_memory"
         self.in_host = counts and config.device.type != "cpu" and cpu_memory is not None
         self.host_bytes = 0  # graphs' state charged to cpu_memory on a GPU run
+        self.saved = config.compile_cache is not None  # each graph also saved in the compile cache
         self.graphs_expected = 0  # graphs there will be once the captures a call expects are made
         self.graph_weights: list[frozenset[str]] = []  # of each graph, the weights it uses
         # how far through the model a call is: a refusal inside it names the floor of the whole call
@@ -42,11 +43,11 @@ class CaptureBudget:
         RAM make room for it and, while dynamo finishes the capture, its transient about as large."""
         if self.in_host:
             assert self.config.cpu_memory is not None
-            state = graph_state_bytes(ops)
+            state = graph_state_bytes(ops, self.saved)
             self.host_bytes += state
             fit_host(self.store, self.config.cpu_memory - self.host_bytes - state, self.config.offload_folder)
             return memory
-        return memory.with_graph(ops) if self.in_budget else memory
+        return memory.with_graph(ops, self.saved) if self.in_budget else memory
 
     def captured(self, weights: Iterable[str]) -> None:
         """The graph counted last is kept: it uses ``weights``."""

@@ -6,6 +6,7 @@ import pytest
 
 from fxoffload_hf.memory_model import (
     GRAPH_STATE_BYTES_PER_OP,
+    SAVED_GRAPH_BYTES_PER_OP,
     BudgetTooSmallError,
     MemoryModel,
     aligned,
@@ -61,6 +62,13 @@ def test_a_capture_keeps_room_for_its_transient_in_place_of_activations_until_re
     assert "kept for capturing a graph" in str(capturing.too_small(capturing.smallest_budget(64, 0)))
     released = capturing.with_capture_reserve(0)
     assert released.need(activations=7) == 100 + state + 7 and released.graph_bytes == state
+
+
+def test_a_graph_saved_in_the_compile_cache_holds_more_but_its_capture_no_more_transient():
+    saving = MemoryModel(10**7, "cpu_memory").with_graph(50, saved=True)
+    assert saving.graph_bytes == 50 * (GRAPH_STATE_BYTES_PER_OP + SAVED_GRAPH_BYTES_PER_OP)
+    # the saved bytes are held, not a transient of dynamo finishing the capture
+    assert saving.capture_reserve == MemoryModel(10**7, "cpu_memory").with_graph(50).capture_reserve
 
 
 def test_piece_target_splits_the_room_by_policy():
