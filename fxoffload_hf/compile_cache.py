@@ -231,17 +231,17 @@ class EntryCache:
         """Write the entry where graphs were captured since it was last written."""
         if not self._unsaved or self._failed or self.package is None:
             return
-        if dynamo_package.unfinished(self.package.cache_entry()):
-            return  # a frame whose capture did not finish (refused): saved once one has
-        if not dynamo_package.single_frame(self.package):
-            self._failed = True
-            report(
-                "%s: not saved in the compile cache: its calls break into several graphs (graph breaks), "
-                "which a saved entry cannot yet resume exactly",
-                self.label,
-            )
-            return
         try:
+            if dynamo_package.unfinished(self.package.cache_entry()):
+                return  # a frame whose capture did not finish (refused): saved once one has
+            if not dynamo_package.single_frame(self.package):
+                self._failed = True
+                report(
+                    "%s: not saved in the compile cache: its calls break into several graphs (graph "
+                    "breaks), which a saved entry cannot yet resume exactly",
+                    self.label,
+                )
+                return
             self.folder.mkdir(parents=True, exist_ok=True)
             names = dynamo_package.module_globals(self.package)
             _write_atomically(self.folder / _GLOBALS_FILE, lambda f: f.write(json.dumps(names).encode()))
