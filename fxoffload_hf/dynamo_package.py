@@ -50,8 +50,9 @@ from torch.fx import _graph_pickler
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 _OURS = "fxoffload_hf"
-# node metadata kept in a saved graph: what fxoffload reads (``graphs``, ``plan_depth``) and error context
-_KEPT_META = ("example_value", "val", "nn_module_stack", "stack_trace")
+# node metadata kept in a saved graph: what fxoffload reads (``graphs``, ``plan_depth``); not the source
+# lines each node came from (``stack_trace``: 72% of a tiny Llama's graph bytes)
+_KEPT_META = ("example_value", "val", "nn_module_stack")
 _INSTALLED_NAME = re.compile(r"_(\d+)$")
 # a module's hook read by its id (``_forward_hooks_always_called[15]``): ids count hooks made in a process
 _BY_HOOK_ID = re.compile(r"_hooks\w*\[\d+\]")
