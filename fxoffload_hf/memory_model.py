@@ -32,8 +32,9 @@ PIECE_DIVISOR = {"auto": 8, "sequential": 2}
 GRAPH_STATE_BYTES_PER_OP = 24 * 1024
 # What each op adds where the graph is also saved in the compile cache (``compile_cache``): its bytes, its
 # guards' saved state and the package holding them. Measured on the memory test's Llama (18 layers, graphs
-# of 1,384 and 1,477 ops): 23 MiB more RssAnon after capture than without the cache, 8.2 KiB per op.
-SAVED_GRAPH_BYTES_PER_OP = 10 * 1024
+# of 1,384 and 1,477 ops, planned alike with and without the cache): 13.6 MiB more RssAnon after capture,
+# 4.9 KiB per op.
+SAVED_GRAPH_BYTES_PER_OP = 6 * 1024
 
 # the "too small" error suggests a smaller batch when activations are at least 1/this of what is needed
 ACTIVATION_HINT_SHARE = 4
