@@ -69,15 +69,15 @@ def cache_positions(config: Any, length: int) -> list[int] | None:
     text = text_config(config)
     if any(_layer_is_latent(c) for c in (text, *_layer_configs(text))):
         return None
-    return _positions(text, length, ("full_attention",))
+    return _positions(text, length, ("full_attention",), _layer_kinds(text))
 
 
-def _positions(text: Any, length: int, full: tuple[str, ...]) -> list[int] | None:
-    """``cache_positions`` with the layer kinds in ``full`` holding every position."""
-    if any(_attr(text, attr) not in (None, 0) for attr in _OTHER_CACHES):
-        return None
-    kinds = _layer_kinds(text)
-    if kinds is None:
+def _positions(
+    text: Any, length: int, full: tuple[str, ...], kinds: list[tuple[str, dict[str, Any]]] | None
+) -> list[int] | None:
+    """``cache_positions`` with the layer kinds in ``full`` holding every position, the layers being of
+    ``kinds`` (``_layer_kinds``)."""
+    if kinds is None or any(_attr(text, attr) not in (None, 0) for attr in _OTHER_CACHES):
         return None
     positions = []
     for kind, layer_kwargs in kinds:
@@ -116,11 +116,13 @@ def _layer_is_latent(config: Any) -> bool:
     return _attr(config, "kv_lora_rank") not in (None, 0)
 
 
-def _per_layer_position_bytes(text: Any, itemsize: int) -> list[int] | None:
+def _per_layer_position_bytes(
+    text: Any, itemsize: int, kinds: list[tuple[str, dict[str, Any]]] | None
+) -> list[int] | None:
     """Each layer's bytes per position and sequence, from its own config where layers differ (Transformers'
-    ``per_layer_config``: another head size for global layers, say); None where one is not stated."""
+    ``per_layer_config``: another head size for global layers, say), the layers being of ``kinds``
+    (``_layer_kinds``; None: read as full attention); None where one is not stated."""
     configs = _layer_configs(text)
-    kinds = _layer_kinds(text)
     if not configs or len(configs) != _attr(text, "num_hidden_layers"):
         return None
     names = [kind for kind, _ in kinds] if kinds is not None else ["full_attention"] * len(configs)
@@ -136,8 +138,9 @@ def predicted_cache_bytes(config: Any, batch: int, length: int, itemsize: int) -
     """Bytes of the cache of ``batch`` sequences after ``length`` tokens (latent attention's latents
     and indexed layers' indexer keys too); None where not predicted."""
     text = text_config(config)
-    positions = _positions(text, length, _FULL)
-    per_position = _per_layer_position_bytes(text, itemsize)
+    kinds = _layer_kinds(text)  # read once: Transformers builds every layer's kind from the config
+    positions = _positions(text, length, _FULL, kinds)
+    per_position = _per_layer_position_bytes(text, itemsize, kinds)
     if positions is None or per_position is None:
         return None
     return batch * sum(p * b for p, b in zip(positions, per_position, strict=True))
@@ -166,5 +169,6 @@ def kv_cache_bytes(config: Any, batch: int, seq_len: int, itemsize: int) -> int:
     predicted = predicted_cache_bytes(config, batch, seq_len, itemsize)
     if predicted is not None:
         return predicted
-    per_position = _per_layer_position_bytes(text_config(config), itemsize)
+    text = text_config(config)
+    per_position = _per_layer_position_bytes(text, itemsize, _layer_kinds(text))
     return 0 if per_position is None else batch * seq_len * sum(per_position)
