@@ -232,7 +232,8 @@ class EntryCache:
         if not self._unsaved or self._failed or self.package is None:
             return
         try:
-            if dynamo_package.unfinished(self.package.cache_entry()):
+            entry = self.package.cache_entry()
+            if dynamo_package.unfinished(entry):
                 return  # a frame whose capture did not finish (refused): saved once one has
             if not dynamo_package.single_frame(self.package):
                 self._failed = True
@@ -245,7 +246,6 @@ class EntryCache:
             self.folder.mkdir(parents=True, exist_ok=True)
             names = dynamo_package.module_globals(self.package)
             _write_atomically(self.folder / _GLOBALS_FILE, lambda f: f.write(json.dumps(names).encode()))
-            entry = self.package.cache_entry()
             backends = {
                 backend: PrecompileContext.serialize_artifact_by_key(backend)
                 for code in entry.codes
