@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
-from torch._dynamo.package import CompilePackage, DiskDynamoStore, PrecompileCacheEntry
+from torch._dynamo.package import DiskDynamoStore, PrecompileCacheEntry
 from torch._dynamo.precompile_context import BackendCacheArtifact, PrecompileContext
 
 from fxoffload_hf import dynamo_package
@@ -138,11 +138,17 @@ class LoadedGraph:
     """What dynamo calls for a graph installed from the cache: the running engine's entry for it, made
     at its first call with that call's arguments (as the engine is given a captured graph's), or, called
     outside any offloaded model, the graph itself. The graph is read from its bytes at its first call (a
-    process may install graphs it never calls: a kind of call it does not make)."""
+    process may install graphs it never calls: a kind of call it does not make).
+
+    One graph can serve several modules' frames: the saved guards do not hold identities, so a frame
+    resumed after a graph break (the same code in every layer) passes the guards of the graph captured
+    for the first layer. Its weights are the call's arguments, so the engine is given the graph once for
+    each set of weights it is called with (each layer's), as dynamo captured it once for each."""
 
     def __init__(self, data: bytes) -> None:
         self._data = data
         self._graph: fx.GraphModule | None = None  # read, not yet given to an engine
+        self._weights: list[int] | None = None  # the positions of the arguments that are parameters
 
     def _read(self) -> fx.GraphModule:
         graph, self._graph = self._graph, None
@@ -153,10 +159,13 @@ class LoadedGraph:
         if engine is None:
             self._graph = self._read()
             return self._graph(*args)
+        if self._weights is None:
+            self._weights = [i for i, arg in enumerate(args) if isinstance(arg, nn.Parameter)]
         # kept by the engine, not here: installed graphs live as long as the process, engines do not
-        entry = engine.installed_graphs.get(self)
+        key = (self, *(id(args[i]) for i in self._weights))
+        entry = engine.installed_graphs.get(key)
         if entry is None:
-            entry = engine.installed_graphs[self] = engine(self._read(), list(args))
+            entry = engine.installed_graphs[key] = engine(self._read(), list(args))
         return entry(*args)
 
 
@@ -169,7 +178,7 @@ class EntryCache:
         self._key = key  # read at the first capture: hooks added after offloading count
         self.label = label  # for messages: the model's class and entry point
         self._store = DiskDynamoStore(str(folder))
-        self.package: CompilePackage | None = None
+        self.package: dynamo_package.CapturingPackage | None = None
         self.loaded = 0  # graphs installed from disk
         self._unsaved = 0  # graphs captured since the entry was last saved
         self._failed = False  # saving failed once: not tried again in this process
@@ -182,14 +191,14 @@ class EntryCache:
     def folder(self) -> Path:
         return self._root / self.key
 
-    def package_for(self, fn: Callable[..., Any]) -> CompilePackage:
+    def package_for(self, fn: Callable[..., Any]) -> dynamo_package.CapturingPackage:
         """``fn``'s package: the saved entry installed where there is a usable one, else an empty one."""
         if self.package is None and (self.folder / "entry").is_file():
             try:
                 saved = self._store.load_cache_entry(self.key)
-                unfinished = dynamo_package.unfinished(saved.dynamo, saved.backends)
-                if unfinished:
-                    raise ValueError(unfinished)
+                missing = dynamo_package.missing_graph(saved.dynamo, saved.backends)
+                if missing:
+                    raise ValueError(missing)
                 names_file = self.folder / _GLOBALS_FILE
                 names = json.loads(names_file.read_text()) if names_file.is_file() else {}
                 self.package = dynamo_package.installed_package(fn, saved.dynamo, saved.backends, names)
@@ -232,17 +241,7 @@ class EntryCache:
         if not self._unsaved or self._failed or self.package is None:
             return
         try:
-            entry = self.package.cache_entry()
-            if dynamo_package.unfinished(entry):
-                return  # a frame whose capture did not finish (refused): saved once one has
-            if not dynamo_package.single_frame(self.package):
-                self._failed = True
-                report(
-                    "%s: not saved in the compile cache: its calls break into several graphs (graph "
-                    "breaks), which a saved entry cannot yet resume exactly",
-                    self.label,
-                )
-                return
+            entry = self.package.saved_entry()
             self.folder.mkdir(parents=True, exist_ok=True)
             names = dynamo_package.module_globals(self.package)
             _write_atomically(self.folder / _GLOBALS_FILE, lambda f: f.write(json.dumps(names).encode()))

@@ -9,9 +9,10 @@ Transformers' models (``tests/test_compile_cache.py``):
   which hook a module holds (hooks are keyed by a process-wide counter; how many it holds is still
   guarded) are not saved: the cache is keyed by the model, the library and torch versions, and dynamo
   checks the traced source files' hashes at install. The process that captures checks every guard, as
-  without a package. Without identity guards a frame resumed after a graph break can be served another
-  frame's graph (found on a Llama broken in every MLP: wrong logits), so an entry whose calls break into
-  several frames is not saved (``single_frame``);
+  without a package. Without identity guards a frame resumed after a graph break (one code in every
+  layer) is served the graph captured for the first layer, which ``compile_cache.LoadedGraph`` gives the
+  engine once per set of weights it is called with (found on a Llama broken in every MLP: served whole,
+  the first layer's weights ran in every layer);
 - guards on objects of classes defined inside functions (Transformers' kernel-function modules) cannot
   be pickled: not saved either;
 - the guard state's pickler meets fxoffload's own hooks and wrappers on the model's modules: what no
@@ -44,6 +45,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch._dynamo import bytecode_transformation, guards
+from torch._dynamo.exc import PackageError
 from torch._dynamo.package import CompilePackage, SerializedCode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import _graph_pickler
@@ -164,39 +166,91 @@ def _method_of_empty(function: Callable[..., Any], cls: type[Any]) -> types.Meth
     return types.MethodType(function, object.__new__(cls))
 
 
-def unfinished(entry: Any, backends: dict[Any, Any] | None = None) -> str | None:
-    """Why a package's entry (``CompilePackage.cache_entry()``) cannot be installed as it stands, or None:
-    a frame with no guarded code (installed, dynamo would skip the frame: its calls would run as plain
-    eager code, on ghosts), or a graph without its saved artifact (``backends``, where given)."""
+class CapturingPackage(CompilePackage):
+    """A package that remembers the frames whose capture raised (the budget refused a graph, an
+    interrupt): dynamo leaves such a frame without captured code, as it leaves a frame it chose to skip,
+    and installed that way it would be skipped in the next process: run as plain eager code, on ghosts,
+    where this process captured it anew at its next call and ran it eagerly from the entry point.
+
+    It also captures frames of code it does not hold: dynamo's compiled code is shared by every model
+    of a class in a process, so a model's call can resume in a function another entry made (the same
+    model offloaded at another budget before, whose entry was installed or captured here); torch's
+    package refuses such a frame (it cannot name its source). Captured as usual, it is not saved; where
+    this package later makes the same resume function itself (dynamo reuses its code), it is saved
+    bypassed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.failed: set[types.CodeType] = set()
+        self._foreign: set[types.CodeType] = set()
+
+    @contextmanager
+    def code_context(self, code: types.CodeType) -> Iterator[None]:
+        if code not in self._codes:
+            try:
+                self._add_user_function(code)
+            except PackageError:
+                module = inspect.getmodule(code)
+                self._add_function(code, module.__name__ if module else "__main__")
+                self._codes[code].bypassed = True
+                self._foreign.add(code)
+        with super().code_context(code):
+            try:
+                yield
+            except BaseException:
+                self.failed.add(code)
+                raise
+
+    def add_resume_function(
+        self, python_code: types.CodeType, python_module: str, function_name: str
+    ) -> None:
+        foreign = python_code in self._foreign
+        if foreign:
+            del self._codes[python_code]  # recorded as another entry's: now this one's, to install
+            self._foreign.discard(python_code)
+        super().add_resume_function(python_code, python_module, function_name)
+        if foreign:
+            self._codes[python_code].bypassed = True  # its captures so far were not recorded
+
+    def saved_entry(self) -> Any:
+        """The package's entry to save: a frame whose capture failed and that holds no captured code is
+        saved bypassed (installed, dynamo captures it anew), not skipped."""
+        entry = self.cache_entry()
+        failed = {id(self._codes[code]) for code in self.failed}
+        foreign = {id(self._codes[code]) for code in self._foreign}
+        codes = [
+            dataclasses.replace(code, bypassed=True)
+            if id(code) in failed and not code.guarded_codes
+            else code
+            for code in entry.codes
+            if id(code) not in foreign
+        ]
+        return dataclasses.replace(entry, codes=codes)
+
+
+def missing_graph(entry: Any, backends: dict[Any, Any]) -> str | None:
+    """Why a saved entry cannot be installed as it stands: a graph its frames name that was not saved
+    with it; else None."""
     for code in entry.codes:
-        if code.bypassed:
-            continue
-        if not code.guarded_codes:
-            return f"a frame of {entry.fn_name} has no captured code"
-        if backends is not None and any(backend not in backends for backend in code.backend_ids):
+        if not code.bypassed and any(backend not in backends for backend in code.backend_ids):
             return f"a graph of {entry.fn_name} was not saved with it"
     return None
 
 
-def single_frame(package: CompilePackage) -> bool:
-    """Whether the package holds only its entry point's own frame: no frame resumed after a graph break."""
-    return len(package._codes) == 1
-
-
-def new_package(fn: Callable[..., Any]) -> CompilePackage:
+def new_package(fn: Callable[..., Any]) -> CapturingPackage:
     """An empty package for ``fn``'s frame, installing into the globals its code runs in."""
-    package = CompilePackage(fn)
+    package = CapturingPackage(fn)
     _run_in_code_globals(package, fn)
     return package
 
 
 def installed_package(
     fn: Callable[..., Any], dynamo: Any, backends: dict[Any, Any], names: dict[str, str]
-) -> CompilePackage:
+) -> CapturingPackage:
     """``fn``'s package from a saved entry, installed: its frames run the saved code and graphs where the
     guards pass. ``names`` are the module globals the code reads (``module_globals``). Raises where the
     entry does not fit this process (versions, changed source files); nothing stays installed then."""
-    package = CompilePackage(fn, dynamo)
+    package = CapturingPackage(fn, dynamo)
     _run_in_code_globals(package, fn)
     try:
         for key, module_name in names.items():

@@ -1,8 +1,10 @@
 """A process that loads a checkpoint offloaded with a compile cache and answers once
 (``tests/test_compile_cache.py``): writes its tokens and logits to OUT, with the graphs dynamo captured.
 
-Usage: python compile_cache_child.py CHECKPOINT CACHE_DIR BUDGET OUT THREADS (the caller's, whose eager
-results it is compared with: products may round differently in another number of threads)
+Usage: python compile_cache_child.py CHECKPOINT CACHE_DIR BUDGET OUT THREADS [break-mlp] (THREADS: the
+caller's, whose eager results it is compared with: products may round differently in another number of
+threads; ``break-mlp``: a graph break in every Llama MLP, so each call runs as many frames, each layer's
+MLP resumed from the same code)
 """
 
 from __future__ import annotations
@@ -19,8 +21,22 @@ import torch  # noqa: E402
 import fxoffload_hf  # noqa: E402
 
 
+def _break_every_mlp() -> None:
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    plain = LlamaMLP.forward
+
+    def breaking_forward(self: LlamaMLP, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()  # as a mixture of experts routed by ``.tolist()`` breaks
+        return plain(self, x)
+
+    LlamaMLP.forward = breaking_forward
+
+
 def main() -> None:
     checkpoint, cache, budget, out, threads = sys.argv[1:6]
+    if sys.argv[6:] == ["break-mlp"]:
+        _break_every_mlp()
     torch.set_num_threads(int(threads))
     model = fxoffload_hf.from_pretrained(
         checkpoint, offload="fx", cpu_memory=int(budget), compile_cache=cache

@@ -3,6 +3,7 @@ process; a bad entry ignored; the key; graphs as bytes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ _CHILD = Path(__file__).with_name("compile_cache_child.py")
 _BUDGET = 300_000  # forces tiles and many pieces on the tiny Llama
 
 
-def _run_child(checkpoint: Path, cache: Path, out: Path) -> tuple[dict, dict]:
+def _run_child(checkpoint: Path, cache: Path, out: Path, *extra: str) -> tuple[dict, dict]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     done = subprocess.run(
         [
@@ -32,6 +33,7 @@ def _run_child(checkpoint: Path, cache: Path, out: Path) -> tuple[dict, dict]:
             str(_BUDGET),
             str(out),
             str(torch.get_num_threads()),
+            *extra,
         ],
         capture_output=True,
         text=True,
@@ -43,13 +45,17 @@ def _run_child(checkpoint: Path, cache: Path, out: Path) -> tuple[dict, dict]:
 
 
 @pytest.mark.slow
-def test_a_second_process_runs_the_saved_graphs_without_capturing_and_exactly(llama_ckpt, tmp_path):
+@pytest.mark.parametrize("breaks", [(), ("break-mlp",)], ids=["whole", "graph-breaks"])
+def test_a_second_process_runs_the_saved_graphs_without_capturing_and_exactly(llama_ckpt, tmp_path, breaks):
+    """Whole, each call is one frame; with a graph break in every MLP, each layer's MLP is resumed from
+    the same code, and the saved graph of the first layer's is served to every layer: run with each
+    layer's own weights."""
     folder, eager = llama_ckpt
     cache = tmp_path / "cache"
-    first, first_stats = _run_child(folder, cache, tmp_path / "first")
+    first, first_stats = _run_child(folder, cache, tmp_path / "first", *breaks)
     entries = list(cache.glob("*/entry"))
     assert len(entries) == 1
-    second, second_stats = _run_child(folder, cache, tmp_path / "second")
+    second, second_stats = _run_child(folder, cache, tmp_path / "second", *breaks)
 
     ids = torch.tensor([[0, 0, 5, 9, 13, 4], [3, 7, 11, 2, 8, 6]])
     with torch.no_grad():
@@ -175,3 +181,55 @@ def test_a_graph_saved_before_a_hook_is_not_served_to_a_model_with_the_hook(tiny
     got, _ = _offloaded_logits(hooked, ids, cache)
     assert torch.equal(got, expected)
     assert seen == [expected.shape[:2] + (hooked.config.hidden_size,)]
+
+
+def test_a_frame_whose_capture_failed_is_saved_to_be_captured_again_not_skipped():
+    """A frame left without captured code because its capture raised (a refused budget) is saved
+    bypassed: the next process captures it anew. One dynamo skipped itself is saved as a skip."""
+
+    def refuses(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule:
+        raise ValueError("refused")
+
+    def computes(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x) + 1
+
+    def nothing_to_capture(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    x = torch.randn(3)
+    entries = {}
+    for fn in (computes, nothing_to_capture):
+        package = dynamo_package.new_package(fn)
+        compiled = torch._dynamo.optimize(refuses, package=package)(fn)
+        with contextlib.suppress(Exception):  # dynamo wraps what the backend raised
+            compiled(x)
+        (entries[fn.__name__],) = package.saved_entry().codes
+    assert not entries["computes"].guarded_codes and entries["computes"].bypassed
+    assert not entries["nothing_to_capture"].guarded_codes and not entries["nothing_to_capture"].bypassed
+
+
+def _resumed(x: torch.Tensor, flag: bool) -> torch.Tensor:
+    x = x + 1
+    torch._dynamo.graph_break()
+    return x * 2 if flag else x * 3  # only the resumed frame reads ``flag``: only its guards hold it
+
+
+def test_a_frame_resumed_in_code_another_entry_made_is_captured_and_not_saved():
+    """Two entries of one function in a process (one model at two budgets): the second's call passes the
+    first's guards and resumes in the function the first made, whose guards it misses. Torch's package
+    refuses that frame; ours captures it, leaves it out of its entry, and saves it bypassed once its own
+    capture makes the same resume function."""
+
+    def keep(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule:
+        return gm
+
+    x = torch.randn(3)
+    first, second = dynamo_package.new_package(_resumed), dynamo_package.new_package(_resumed)
+    with dynamo_package.saving_guards():
+        torch._dynamo.optimize(keep, package=first)(_resumed)(x, True)
+        compiled = torch._dynamo.optimize(keep, package=second)(_resumed)
+        assert torch.equal(compiled(x, False), _resumed(x, False))
+        assert [code.python_code.co_name for code in second.saved_entry().codes] == ["_resumed"]
+        compiled(x.double(), False)  # misses the first's guards: captured here, resume function and all
+    resumed = [code for code in second.saved_entry().codes if code.python_code.co_name != "_resumed"]
+    assert len(resumed) == 1 and resumed[0].bypassed and resumed[0].install_to_global
