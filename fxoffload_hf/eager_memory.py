@@ -8,8 +8,9 @@ intermediate states; its attention scores (batch x heads x queries x keys, in fp
 their softmax) where the kernel materialises them; the KV cache it is passed and the one it builds; and
 the output head's logits at the kept positions (in fp32, twice: Transformers upcasts them). The bound
 counts all of it generously: it gates, it does not plan, and a bound too high only costs a call the wait
-for capture. Only where every layer is an attention layer (``kv_cache.cache_positions`` reads them):
-state-space scans and linear attention hold states no config bound sees.
+for capture. Only where every layer is an attention layer whose cache ``kv_cache`` predicts (keys and
+values per head, or latent attention's latents, expanded to every head's keys and values in each
+layer's call): state-space scans and linear attention hold states no config bound sees.
 
 Routed experts add, per token and expert it is routed to, the token's states and its expert's
 intermediate states, and the router's logits over all experts; only where their eager code
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxoffload_hf.kv_cache import cache_positions, kv_cache_bytes, text_config
+from fxoffload_hf.kv_cache import kv_cache_bytes, latent_expansion_bytes, predicted_cache_bytes, text_config
 from fxoffload_hf.reserved_cache import disk_resident_bytes
 
 # arguments that do not change what a decoder's call holds (beside the token ids and the cache)
@@ -75,7 +76,7 @@ def eager_call_bytes(
         return None
     # layers other than attention (state-space scans, linear attention) hold what no config bound sees:
     # a tiny Mamba's eager call 2.6x the dense bound, a tiny Falcon-H1's 465 MiB (measured)
-    if cache_positions(config, 1) is None:
+    if predicted_cache_bytes(config, 1, 1, 1) is None:
         return None
     batch, tokens, decoded = lengths
     keys = past + tokens
@@ -83,12 +84,15 @@ def eager_call_bytes(
     routed = _routed_bytes(model, text, hidden, itemsize, device_type)
     if routed is None:
         return None
-    per_token = (12 * hidden + 4 * _inner_width(text, hidden)) * itemsize + routed
-    scores = 2 * batch * heads * tokens * keys * 4
+    per_token = (12 * hidden + 4 * _inner_width(text, hidden) + _latent_query_width(text)) * itemsize + routed
+    # latent attention expands one layer's cached latents to every head's keys and values; an indexer
+    # scores every key with heads of its own (fp32, twice) before it keeps a few
+    expanded = latent_expansion_bytes(config, batch, keys, itemsize)
+    scores = 2 * batch * (heads + _int(text, "index_n_heads")) * tokens * keys * 4
     logits = 2 * batch * _kept_positions(inputs.get("logits_to_keep"), decoded) * vocab * 4
     on_disk = disk_resident_bytes(cache)  # a cache kept on disk has about two layers in memory
     cache_bytes = 2 * kv_cache_bytes(config, batch, keys, itemsize) if on_disk is None else on_disk
-    return batch * tokens * per_token + scores + logits + cache_bytes
+    return batch * tokens * per_token + expanded + scores + logits + cache_bytes
 
 
 def _named_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
@@ -141,6 +145,15 @@ def _int(config: Any, name: str) -> int:
 def _inner_width(text: Any, hidden: int) -> int:
     """The width of a token's MLP states."""
     return max((_int(text, name) for name in _INNER_WIDTHS), default=0) or 4 * hidden
+
+
+def _latent_query_width(text: Any) -> int:
+    """What latent attention's queries add per token beside the dense bound: every head's query, its
+    positional part and its value, twice over (0 without latents)."""
+    if not _int(text, "kv_lora_rank"):
+        return 0
+    per_head = sum(_int(text, name) for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    return 2 * _int(text, "num_attention_heads") * per_head + _int(text, "q_lora_rank")
 
 
 def _routed_bytes(

@@ -132,6 +132,15 @@ def checkpoint_config(arch: str):
         )  # fmt: skip
     if arch == "gpt_oss":  # stacked weights stored transposed (no transpose in the graph), with biases
         return tf.GptOssConfig(hidden_size=128, intermediate_size=256, num_local_experts=8, **experts)
+    if arch in ("deepseek_v3", "deepseek_v32"):  # latent attention over routed experts; an indexer too
+        indexer = {"index_head_dim": 16, "index_n_heads": 2, "index_topk": 4} if arch == "deepseek_v32" else {}
+        config_class = tf.DeepseekV32Config if indexer else tf.DeepseekV3Config
+        return config_class(
+            hidden_size=128, intermediate_size=256, moe_intermediate_size=64, kv_lora_rank=32,
+            q_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=4,
+            num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
+            **{**experts, "num_key_value_heads": 4}, **indexer,
+        )  # fmt: skip
     if arch == "opt":
         return tf.OPTConfig(
             num_hidden_layers=3, num_attention_heads=4, hidden_size=128, ffn_dim=256, vocab_size=1000,

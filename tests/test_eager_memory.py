@@ -13,7 +13,7 @@ from fxoffload_hf.eager_memory import eager_call_bytes
 from fxoffload_hf.graph_entry import GraphEntry
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "opt", "t5"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "opt", "t5", "deepseek_v3", "deepseek_v32"])
 def test_the_bound_covers_what_each_captured_call_holds(arch, tmp_path, save_checkpoint, monkeypatch):
     eager = save_checkpoint(arch, tmp_path)
     weights = sum(p.numel() * p.element_size() for p in eager.parameters())

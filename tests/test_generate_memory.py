@@ -70,8 +70,8 @@ def _latent(config_class, **extra):
 
 def test_latent_attention_is_predicted_for_generate_but_not_for_the_layers_bounds_and_caches():
     """A latent cache is predicted for ``generate`` (beside each decode step's latents expanded to every
-    head), but the eager bound, the reserved cache and the cache on disk read keys and values per head:
-    for them its layers are not predicted (``cache_positions``)."""
+    head), but the reserved cache and the cache on disk read keys and values per head: for them its
+    layers are not predicted (``cache_positions``)."""
     from fxoffload_hf.kv_cache import cache_positions, latent_expansion_bytes
 
     config = _latent(tf.DeepseekV3Config)
