@@ -133,7 +133,9 @@ def checkpoint_config(arch: str):
     if arch == "gpt_oss":  # stacked weights stored transposed (no transpose in the graph), with biases
         return tf.GptOssConfig(hidden_size=128, intermediate_size=256, num_local_experts=8, **experts)
     if arch in ("deepseek_v3", "deepseek_v32"):  # latent attention over routed experts; an indexer too
-        indexer = {"index_head_dim": 16, "index_n_heads": 2, "index_topk": 4} if arch == "deepseek_v32" else {}
+        indexer = (
+            {"index_head_dim": 16, "index_n_heads": 2, "index_topk": 4} if arch == "deepseek_v32" else {}
+        )
         config_class = tf.DeepseekV32Config if indexer else tf.DeepseekV3Config
         return config_class(
             hidden_size=128, intermediate_size=256, moe_intermediate_size=64, kv_lora_rank=32,
