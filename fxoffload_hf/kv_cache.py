@@ -63,9 +63,8 @@ def _per_position_bytes(text: Any, itemsize: int, kind: str = "full_attention") 
 
 def cache_positions(config: Any, length: int) -> list[int] | None:
     """Positions each layer's cache holds once ``length`` tokens went through, where every layer keeps
-    keys and values per head (the layers whose eager calls ``eager_memory`` bounds, whose caches
-    ``reserved_cache`` and ``kv_disk`` hold); None where a layer holds anything else, or the layers
-    cannot be told."""
+    keys and values per head (the layers whose caches ``reserved_cache`` and ``kv_disk`` hold); None
+    where a layer holds anything else, or the layers cannot be told."""
     text = text_config(config)
     if any(_layer_is_latent(c) for c in (text, *_layer_configs(text))):
         return None
