@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxoffload_hf.kv_cache import kv_cache_bytes, latent_expansion_bytes, predicted_cache_bytes, text_config
+from fxoffload_hf.kv_cache import latent_expansion_bytes, predicted_cache_bytes, text_config
 from fxoffload_hf.reserved_cache import disk_resident_bytes
 
 # arguments that do not change what a decoder's call holds (beside the token ids and the cache)
@@ -74,13 +74,14 @@ def eager_call_bytes(
     past = _cached_positions(cache)
     if lengths is None or past is None or not (hidden and heads and vocab):
         return None
-    # layers other than attention (state-space scans, linear attention) hold what no config bound sees:
-    # a tiny Mamba's eager call 2.6x the dense bound, a tiny Falcon-H1's 465 MiB (measured)
-    if predicted_cache_bytes(config, 1, 1, 1) is None:
-        return None
     batch, tokens, decoded = lengths
     keys = past + tokens
     itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+    # layers other than attention (state-space scans, linear attention) hold what no config bound sees:
+    # a tiny Mamba's eager call 2.6x the dense bound, a tiny Falcon-H1's 465 MiB (measured)
+    built_cache = predicted_cache_bytes(config, batch, keys, itemsize)
+    if built_cache is None:
+        return None
     routed = _routed_bytes(model, text, hidden, itemsize, device_type)
     if routed is None:
         return None
@@ -91,7 +92,7 @@ def eager_call_bytes(
     scores = 2 * batch * (heads + _int(text, "index_n_heads")) * tokens * keys * 4
     logits = 2 * batch * _kept_positions(inputs.get("logits_to_keep"), decoded) * vocab * 4
     on_disk = disk_resident_bytes(cache)  # a cache kept on disk has about two layers in memory
-    cache_bytes = 2 * kv_cache_bytes(config, batch, keys, itemsize) if on_disk is None else on_disk
+    cache_bytes = 2 * built_cache if on_disk is None else on_disk
     return batch * tokens * per_token + expanded + scores + logits + cache_bytes
 
 
