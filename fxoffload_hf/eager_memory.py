@@ -16,13 +16,14 @@ Routed experts add, per token and expert it is routed to, the token's states and
 intermediate states, and the router's logits over all experts; only where their eager code
 computes on views of the stacked expert weights: Transformers' experts modules with the ``eager`` or
 ``grouped_mm`` implementation on the CPU (measured: ``batched_mm`` gathers a copy of an expert's weights
-for every routed token). A call it cannot read (no config, inputs other than token ids, other layers than
+for every routed token), and Llama 4's own, which runs every token through every expert. A call it cannot read (no config, inputs other than token ids, other layers than
 attention, experts outside those) has no bound, and is captured.
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,10 +52,23 @@ _EXPERTS_PER_TOKEN = ("num_experts_per_tok", "num_selected_experts", "moe_topk",
 _EXPERT_WIDTHS = ("moe_intermediate_size", "expert_intermediate_size", *_INNER_WIDTHS)
 # Transformers' experts implementations whose code computes on views of the stacked weights on the CPU
 _VIEWING_EXPERTS = frozenset({"eager", "grouped_mm"})
-# per model: the configs of its experts modules, or None where a stacked weight lies outside them
-_experts_of: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], set[str]] | None] = (
-    weakref.WeakKeyDictionary()
-)
+# experts modules of their own that run every token through every expert, with batched products on the
+# stacked weights themselves (Llama 4's: the router scales each expert's copy of the token)
+_EVERY_EXPERT = frozenset({"Llama4TextExperts"})
+
+
+@dataclass(frozen=True)
+class _Experts:
+    """A model's experts modules: the configs of Transformers' ones, the devices of their stacked weights,
+    and whether one runs every token through every expert (``_EVERY_EXPERT``)."""
+
+    configs: tuple[Any, ...]
+    devices: frozenset[str]
+    every_expert: bool
+
+
+# per model: its experts modules, or None where a stacked weight lies outside those the bound reads
+_experts_of: weakref.WeakKeyDictionary[nn.Module, _Experts | None] = weakref.WeakKeyDictionary()
 
 
 def eager_call_bytes(
@@ -131,7 +145,12 @@ def _first_tensor(outputs: Any) -> Any:
 
 def _holds_more(value: Any) -> bool:
     """Whether an argument the bound does not name may make the call hold more (other inputs: embeddings,
-    pixels, labels; switches that keep every layer's states): anything but None or False."""
+    pixels, labels; switches that keep every layer's states): anything but None or False, or a container
+    of nothing else (``generate`` passes a multimodal model's text-only calls ``mm_encoder_outputs={}``)."""
+    if isinstance(value, dict):
+        return any(_holds_more(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_more(v) for v in value)
     return value is not None and value is not False
 
 
@@ -165,9 +184,11 @@ def _routed_bytes(
     experts = max(_int(text, name) for name in _EXPERT_COUNTS)
     if experts <= 1:
         return 0
-    if not _experts_compute_on_views(model, device_type):
+    found = _experts_computing_on_views(model, device_type)
+    if found is None:
         return None
-    per_token = max((_int(text, name) for name in _EXPERTS_PER_TOKEN), default=0) or experts
+    routed = max((_int(text, name) for name in _EXPERTS_PER_TOKEN), default=0)
+    per_token = experts if found.every_expert or not routed else routed
     width = max(_int(text, name) for name in _EXPERT_WIDTHS) or 4 * hidden
     # each routed copy of the token: its states, its expert's gate, up and activation states, and the
     # expert's output, twice over; the router's logits and probabilities (fp32) and the routing indices
@@ -175,37 +196,41 @@ def _routed_bytes(
     return states + 2 * experts * 4 + 4 * per_token * 8
 
 
-def _experts_compute_on_views(model: nn.Module, device_type: str | None) -> bool:
-    """Whether every stacked (3-D or more) weight of ``model`` belongs to a Transformers experts module
-    whose implementation computes on views of it, on the CPU (``_VIEWING_EXPERTS``)."""
+def _experts_computing_on_views(model: nn.Module, device_type: str | None) -> _Experts | None:
+    """``model``'s experts modules where every stacked (3-D or more) weight belongs to one whose code
+    computes on views of it, on the CPU: a Transformers experts module whose implementation does
+    (``_VIEWING_EXPERTS``), or one of ``_EVERY_EXPERT``; else None."""
     if model not in _experts_of:
-        _experts_of[model] = _experts_configs(model)
+        _experts_of[model] = _experts_modules(model)
     found = _experts_of[model]
     if found is None:
-        return False
-    configs, devices = found
-    on = {device_type} if device_type is not None else devices
-    return on <= {"cpu"} and all(
-        getattr(config, "_experts_implementation", None) in _VIEWING_EXPERTS for config in configs
+        return None
+    on = {device_type} if device_type is not None else found.devices
+    viewing = all(
+        getattr(config, "_experts_implementation", None) in _VIEWING_EXPERTS for config in found.configs
     )
+    return found if on <= {"cpu"} and viewing else None
 
 
-def _experts_configs(model: nn.Module) -> tuple[tuple[Any, ...], set[str]] | None:
-    """The configs of ``model``'s experts modules (Transformers' ``use_experts_implementation``: they
-    carry ``is_transposed``) and the devices of their weights, or None where a stacked weight lies
-    outside them."""
+def _experts_modules(model: nn.Module) -> _Experts | None:
+    """``model``'s experts modules: Transformers' (``use_experts_implementation``: they carry
+    ``is_transposed``) and those of ``_EVERY_EXPERT``; None where a stacked weight lies outside them."""
     configs: list[Any] = []
     devices: set[str] = set()
+    every_expert = False
     for module in model.modules():
         stacked = [p for p in module.parameters(recurse=False) if p.dim() > 2]
         if not stacked:
             continue
         config = getattr(module, "config", None)
-        if not hasattr(module, "is_transposed") or config is None:
+        if type(module).__name__ in _EVERY_EXPERT:
+            every_expert = True
+        elif hasattr(module, "is_transposed") and config is not None:
+            configs.append(config)
+        else:
             return None
-        configs.append(config)
         devices.update(p.device.type for p in stacked)
-    return tuple(configs), devices
+    return _Experts(tuple(configs), frozenset(devices), every_expert)
 
 
 def _cached_positions(cache: Any) -> int | None:

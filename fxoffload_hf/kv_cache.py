@@ -4,11 +4,12 @@ Transformers builds a ``DynamicCache`` of one layer cache per decoder layer, of 
 (``cache_utils.get_layer_types_and_kwargs``): a full-attention layer keeps the keys and values of every
 position, a sliding-window layer those of the last ``sliding_window - 1`` positions. ``cache_positions``
 reads the same layer types through that function, so the prediction follows Transformers' own reading of
-the config. Multi-head latent attention (DeepSeek's, a ``kv_lora_rank`` in the config) caches its
+the config: chunked attention is cached as a sliding window of the chunk's size, and a layer that reads
+another layer's cache (Gemma 4's shared layers) or has no attention caches nothing. Multi-head latent attention (DeepSeek's, a ``kv_lora_rank`` in the config) caches its
 compressed latents, one head of ``kv_lora_rank`` and one of ``qk_rope_head_dim`` per position (since
 Transformers 5.25, checked; earlier versions are not predicted), and an indexed layer (DeepSeek V3.2's
-sparse attention) its indexer's keys beside them. Any other kind of layer (state-space states, chunked
-attention, layers that share another's cache) is not predicted.
+sparse attention) its indexer's keys beside them. Any other kind of layer (state-space and
+linear-attention states, compressed attention) is not predicted.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from typing import Any
 # configs whose cache holds something other than keys and values per head or latents: state-space
 # states beside the attention layers
 _OTHER_CACHES = ("state_size", "ssm_state_size")
-# the layer kinds whose cache holds every position (an indexed one: its indexer's keys too)
+# the layer kinds whose cache holds every position (an indexed one: its indexer's keys too), and those
+# that keep the last window of positions (Transformers caches chunked attention as a sliding window)
 _FULL = ("full_attention", "indexed_attention")
+_WINDOWED = ("sliding_attention", "chunked_attention")
 # the Transformers from which latent attention caches its latents (checked on 5.25.0)
 _LATENTS_CACHED = tuple(map(int, re.findall(r"\d+", version("transformers"))[:2])) >= (5, 25)
 
@@ -82,8 +85,10 @@ def _positions(
     for kind, layer_kwargs in kinds:
         if kind in full:
             positions.append(length)
-        elif kind == "sliding_attention" and isinstance(layer_kwargs.get("sliding_window"), int):
+        elif kind in _WINDOWED and isinstance(layer_kwargs.get("sliding_window"), int):
             positions.append(min(length, layer_kwargs["sliding_window"] - 1))
+        elif kind == "dummy":  # a layer reading another's cache, or one without attention
+            positions.append(0)
         else:
             return None
     return positions if len(positions) == _attr(text, "num_hidden_layers") else None
@@ -127,7 +132,10 @@ def _per_layer_position_bytes(
     names = [kind for kind, _ in kinds] if kinds is not None else ["full_attention"] * len(configs)
     if len(names) != len(configs):
         return None
-    sizes = [_per_position_bytes(c, itemsize, kind) for c, kind in zip(configs, names, strict=True)]
+    sizes = [
+        0 if kind == "dummy" else _per_position_bytes(c, itemsize, kind)
+        for c, kind in zip(configs, names, strict=True)
+    ]
     if any(size is None for size in sizes):
         return None
     return sizes  # type: ignore[return-value]

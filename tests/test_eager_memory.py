@@ -86,6 +86,27 @@ def test_calls_the_bound_cannot_read_have_none(build_model, checkpoint_config):
     assert eager_call_bytes(mixtral, (ids,), {}) is None
 
 
+def test_a_multimodal_models_text_only_call_is_bounded():
+    """``generate`` passes a vision-language model's text-only calls ``mm_encoder_outputs={}``: bounded as
+    the call without it; with an image's encoded states it holds more, and has no bound."""
+    config = transformers.Gemma3Config(
+        text_config={
+            "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000,
+        },
+        vision_config={
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+        },
+    )  # fmt: skip
+    with torch.device("meta"):
+        gemma3 = transformers.Gemma3ForConditionalGeneration(config)
+    ids = torch.ones(2, 5, dtype=torch.long)
+    text_only = eager_call_bytes(gemma3, (ids,), {"mm_encoder_outputs": {}}, "cpu")
+    assert text_only is not None and text_only == eager_call_bytes(gemma3, (ids,), {}, "cpu")
+    image = {"image": torch.ones(2, 4, 128)}
+    assert eager_call_bytes(gemma3, (ids,), {"mm_encoder_outputs": image}, "cpu") is None
+
+
 def test_the_bound_grows_with_the_batch_and_the_cache(build_model):
     llama = build_model("llama")
     one = eager_call_bytes(llama, (torch.ones(1, 8, dtype=torch.long),), {})
@@ -126,6 +147,11 @@ def _moe(arch: str, checkpoint_config) -> torch.nn.Module:
             hidden_size=128, intermediate_size=256, moe_intermediate_size=96, num_experts=16,
             num_experts_per_tok=4, **small,
         )  # fmt: skip
+    elif arch == "llama4":  # experts of its own: every token through every expert; chunked attention
+        config = transformers.Llama4TextConfig(
+            hidden_size=128, intermediate_size=256, intermediate_size_mlp=256, num_local_experts=16,
+            attention_chunk_size=16, **small,
+        )  # fmt: skip
     else:  # gpt_oss: stacked weights stored transposed, with biases
         config = transformers.GptOssConfig(
             hidden_size=128, intermediate_size=128, num_local_experts=8, **small
@@ -134,10 +160,11 @@ def _moe(arch: str, checkpoint_config) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "gpt_oss", "llama4"])
 def test_the_bound_covers_what_routed_experts_hold_eagerly(arch, checkpoint_config):
     """Measured from the allocator (copies inside kernels too), for Transformers' default experts
-    implementation and its eager one: prefills of a batch, and a decode step with its cache."""
+    implementation and its eager one (Llama 4's experts have code of their own): prefills of a batch,
+    and a decode step with its cache."""
     for implementation in ("grouped_mm", "eager"):
         model = _moe(arch, checkpoint_config)
         model.config._experts_implementation = implementation

@@ -94,15 +94,25 @@ def test_latent_attention_is_predicted_for_generate_but_not_for_the_layers_bound
         _small(tf.Gemma3TextConfig, sliding_window=4, sliding_window_pattern=2),
         # global layers with another head size than the sliding ones (a per-layer attribute)
         _small(tf.Gemma4TextConfig, sliding_window=4, global_head_dim=32),
+        # the last two layers read the cache of earlier ones (they cache nothing themselves)
+        _small(
+            tf.Gemma4TextConfig, sliding_window=4, global_head_dim=32, num_kv_shared_layers=2,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        ),
+        # chunked attention over chunks shorter than the call, beside full-attention layers, routed experts
+        _small(tf.Llama4TextConfig, attention_chunk_size=4, num_local_experts=2, intermediate_size_mlp=128),
         _latent(tf.DeepseekV3Config),  # latent attention: its compressed latents cached
         _latent(tf.DeepseekV32Config, index_head_dim=16, index_n_heads=2, index_topk=4),  # and indexer keys
     ],
-    ids=["full", "sliding", "alternating", "pattern", "per-layer-heads", "latent", "latent-indexed"],
-)
+    ids=[
+        "full", "sliding", "alternating", "pattern", "per-layer-heads", "shared-layers", "chunked", "latent",
+        "latent-indexed",
+    ],
+)  # fmt: skip
 def test_the_prediction_is_the_cache_eager_generate_leaves(config):
     """What Transformers' own cache holds at the end of a greedy generate, byte for byte, for layers of
-    full attention, sliding windows, both, layers of different head sizes, and latent attention (its
-    latents, and an indexed layer's indexer keys)."""
+    full attention, sliding windows, both, layers of different head sizes, layers sharing another's
+    cache, chunked attention, and latent attention (its latents, and an indexed layer's indexer keys)."""
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(1, 1000, (3, 7), generator=torch.Generator().manual_seed(0))
@@ -110,7 +120,8 @@ def test_the_prediction_is_the_cache_eager_generate_leaves(config):
         out = model.generate(ids, max_new_tokens=5, return_dict_in_generate=True, **GREEDY)
     cache = out.past_key_values
     kept = ("keys", "values", "indexer_keys")
-    held = sum(getattr(layer, name).nbytes for layer in cache.layers for name in kept if hasattr(layer, name))
+    tensors = (getattr(layer, name, None) for layer in cache.layers for name in kept)
+    held = sum(t.nbytes for t in tensors if t is not None)
     assert final_kv_bytes(model, (ids,), {"max_new_tokens": 5}) == held > 0
 
 
