@@ -229,7 +229,7 @@ def _offload_and_run(model, arch: Arch, key: str, budget: int, folder: str, poli
         return exc
 
 
-@settings(SETTINGS, max_examples=8)
+@settings(SETTINGS, max_examples=5)
 @given(
     arch=archs,
     tier=st.sampled_from(["host", "disk"]),
