@@ -10,7 +10,8 @@ the output head's logits at the kept positions (in fp32, twice: Transformers upc
 counts all of it generously: it gates, it does not plan, and a bound too high only costs a call the wait
 for capture. Only where every layer is an attention layer whose cache ``kv_cache`` predicts (keys and
 values per head, or latent attention's latents, expanded to every head's keys and values in each
-layer's call): state-space scans and linear attention hold states no config bound sees.
+layer's call) or a Gated DeltaNet layer (``linear_attention``): state-space scans and other linear
+attention hold states no config bound sees.
 
 Routed experts add, per token and expert it is routed to, the token's states and its expert's
 intermediate states, and the router's logits over all experts; only where their eager code
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxoffload_hf import linear_attention
 from fxoffload_hf.kv_cache import latent_expansion_bytes, predicted_cache_bytes, text_config
 from fxoffload_hf.reserved_cache import disk_resident_bytes
 
@@ -97,7 +99,9 @@ def eager_call_bytes(
     if built_cache is None:
         return None
     routed = _routed_bytes(model, text, hidden, itemsize, device_type)
-    if routed is None:
+    stepping = past > 0 and tokens == 1  # one position after cached ones: a recurrent step
+    linear = linear_attention.computing_bytes(model, text, batch, tokens, itemsize, stepping)
+    if routed is None or linear is None:
         return None
     per_token = (12 * hidden + 4 * _inner_width(text, hidden) + _latent_query_width(text)) * itemsize + routed
     # latent attention expands one layer's cached latents to every head's keys and values; an indexer
@@ -107,7 +111,7 @@ def eager_call_bytes(
     logits = 2 * batch * _kept_positions(inputs.get("logits_to_keep"), decoded) * vocab * 4
     on_disk = disk_resident_bytes(cache)  # a cache kept on disk has about two layers in memory
     cache_bytes = 2 * built_cache if on_disk is None else on_disk
-    return batch * tokens * per_token + expanded + scores + logits + cache_bytes
+    return batch * tokens * per_token + expanded + scores + logits + cache_bytes + linear
 
 
 def _named_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
@@ -220,7 +224,7 @@ def _experts_modules(model: nn.Module) -> _Experts | None:
     every_expert = False
     for module in model.modules():
         stacked = [p for p in module.parameters(recurse=False) if p.dim() > 2]
-        if not stacked:
+        if not stacked or isinstance(module, nn.modules.conv._ConvNd):  # a convolution's kernel: no experts
             continue
         config = getattr(module, "config", None)
         if type(module).__name__ in _EVERY_EXPERT:

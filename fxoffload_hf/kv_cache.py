@@ -8,8 +8,9 @@ the config: chunked attention is cached as a sliding window of the chunk's size,
 another layer's cache (Gemma 4's shared layers) or has no attention caches nothing. Multi-head latent attention (DeepSeek's, a ``kv_lora_rank`` in the config) caches its
 compressed latents, one head of ``kv_lora_rank`` and one of ``qk_rope_head_dim`` per position (since
 Transformers 5.25, checked; earlier versions are not predicted), and an indexed layer (DeepSeek V3.2's
-sparse attention) its indexer's keys beside them. Any other kind of layer (state-space and
-linear-attention states, compressed attention) is not predicted.
+sparse attention) its indexer's keys beside them. Gated DeltaNet layers keep states of a fixed size
+(``linear_attention``). Any other kind of layer (state-space states, other linear attention, compressed
+attention) is not predicted.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import re
 from importlib.metadata import version
 from typing import Any
 
+from fxoffload_hf import linear_attention
+
 # configs whose cache holds something other than keys and values per head or latents: state-space
 # states beside the attention layers
 _OTHER_CACHES = ("state_size", "ssm_state_size")
@@ -25,6 +28,8 @@ _OTHER_CACHES = ("state_size", "ssm_state_size")
 # that keep the last window of positions (Transformers caches chunked attention as a sliding window)
 _FULL = ("full_attention", "indexed_attention")
 _WINDOWED = ("sliding_attention", "chunked_attention")
+# the layer kinds that hold no keys and values per position
+_POSITIONLESS = ("dummy", "linear_attention")
 # the Transformers from which latent attention caches its latents (checked on 5.25.0)
 _LATENTS_CACHED = tuple(map(int, re.findall(r"\d+", version("transformers"))[:2])) >= (5, 25)
 
@@ -75,10 +80,15 @@ def cache_positions(config: Any, length: int) -> list[int] | None:
 
 
 def _positions(
-    text: Any, length: int, full: tuple[str, ...], kinds: list[tuple[str, dict[str, Any]]] | None
+    text: Any,
+    length: int,
+    full: tuple[str, ...],
+    kinds: list[tuple[str, dict[str, Any]]] | None,
+    linear: bool = False,
 ) -> list[int] | None:
     """``cache_positions`` with the layer kinds in ``full`` holding every position, the layers being of
-    ``kinds`` (``_layer_kinds``)."""
+    ``kinds`` (``_layer_kinds``); ``linear``: Gated DeltaNet layers hold no position (their states are
+    counted apart)."""
     if kinds is None or any(_attr(text, attr) not in (None, 0) for attr in _OTHER_CACHES):
         return None
     positions = []
@@ -87,8 +97,8 @@ def _positions(
             positions.append(length)
         elif kind in _WINDOWED and isinstance(layer_kwargs.get("sliding_window"), int):
             positions.append(min(length, layer_kwargs["sliding_window"] - 1))
-        elif kind == "dummy":  # a layer reading another's cache, or one without attention
-            positions.append(0)
+        elif kind == "dummy" or (linear and kind == "linear_attention"):
+            positions.append(0)  # a layer reading another's cache, one without attention, or linear
         else:
             return None
     return positions if len(positions) == _attr(text, "num_hidden_layers") else None
@@ -133,7 +143,7 @@ def _per_layer_position_bytes(
     if len(names) != len(configs):
         return None
     sizes = [
-        0 if kind == "dummy" else _per_position_bytes(c, itemsize, kind)
+        0 if kind in _POSITIONLESS else _per_position_bytes(c, itemsize, kind)
         for c, kind in zip(configs, names, strict=True)
     ]
     if any(size is None for size in sizes):
@@ -142,15 +152,18 @@ def _per_layer_position_bytes(
 
 
 def predicted_cache_bytes(config: Any, batch: int, length: int, itemsize: int) -> int | None:
-    """Bytes of the cache of ``batch`` sequences after ``length`` tokens (latent attention's latents
-    and indexed layers' indexer keys too); None where not predicted."""
+    """Bytes of the cache of ``batch`` sequences after ``length`` tokens (latent attention's latents,
+    indexed layers' indexer keys and Gated DeltaNet layers' states too); None where not predicted."""
     text = text_config(config)
     kinds = _layer_kinds(text)  # read once: Transformers builds every layer's kind from the config
-    positions = _positions(text, length, _FULL, kinds)
+    linear = linear_attention.is_gated_delta_net(text)
+    positions = _positions(text, length, _FULL, kinds, linear)
     per_position = _per_layer_position_bytes(text, itemsize, kinds)
     if positions is None or per_position is None:
         return None
-    return batch * sum(p * b for p, b in zip(positions, per_position, strict=True))
+    attention = batch * sum(p * b for p, b in zip(positions, per_position, strict=True))
+    linear_layers = sum(kind == "linear_attention" for kind, _ in kinds or ()) if linear else 0
+    return attention + linear_layers * (linear_attention.state_bytes(text, batch, itemsize) or 0)
 
 
 def latent_expansion_bytes(config: Any, batch: int, length: int, itemsize: int) -> int:

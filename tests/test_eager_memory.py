@@ -186,3 +186,39 @@ def test_the_bound_covers_what_routed_experts_hold_eagerly(arch, checkpoint_conf
             first = eager_call_bytes(model, (ids,), {})
             assert first is not None and first >= prefill
             assert bound is not None and bound >= decode
+
+
+def _gated_delta_net(arch: str) -> torch.nn.Module:
+    """Gated DeltaNet layers (two key heads of 32, four value heads of 32) beside full attention."""
+    shape = {
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4, "layer_types": ["linear_attention", "full_attention"],
+    }  # fmt: skip
+    if arch == "qwen3_next":  # routed experts too
+        config = transformers.Qwen3NextConfig(
+            **shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64
+        )
+    else:
+        config = transformers.OlmoHybridConfig(**shape, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "olmo_hybrid"])
+def test_the_bound_covers_what_gated_delta_net_layers_hold_eagerly(arch):
+    """Measured from the allocator: prompts shorter and longer than the kernel's chunk of 64 positions
+    (padded to whole chunks), a batch, and a decode step with the layers' states in its cache."""
+    model = _gated_delta_net(arch)
+    for batch, tokens in [(1, 3), (2, 65)]:
+        ids = torch.randint(0, 1000, (batch, tokens), generator=torch.Generator().manual_seed(tokens))
+        cache = transformers.DynamicCache(config=model.config)
+        step = {"input_ids": ids[:, -1:], "cache": cache}
+        with torch.no_grad():
+            prefill = _eager_peak(model, ids, cache=cache)
+            bound = eager_call_bytes(model, (), step)
+            decode = _eager_peak(model, **step)
+        first = eager_call_bytes(model, (ids,), {})
+        assert first is not None and first >= prefill
+        assert bound is not None and bound >= decode

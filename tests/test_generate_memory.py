@@ -43,13 +43,16 @@ def test_no_prediction_where_the_cache_holds_something_else(checkpoint_config):
         assert not predictable_cache(
             tf.OpenAIGPTLMHeadModel(tf.OpenAIGPTConfig(n_layer=2, n_embd=64, n_head=2))
         )
-    # state-space layers beside attention ones hold states, not positions
-    hybrid = tf.Qwen3NextConfig(
+    # Mamba layers beside attention ones hold states the config does not size (Transformers calls them
+    # linear attention too); Gated DeltaNet layers' states are predicted (below)
+    hybrid = tf.JambaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1000, num_experts=4, num_experts_per_tok=2,
+        num_key_value_heads=2, vocab_size=1000, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
+        attn_layer_offset=1,
     )  # fmt: skip
-    assert not predictable_cache(_tiny(hybrid))
+    assert "linear_attention" in hybrid.layer_types and not predictable_cache(_tiny(hybrid))
     assert predictable_cache(_tiny(checkpoint_config("llama")))
+    assert predictable_cache(_tiny(_small(tf.Qwen3NextConfig, **GATED_DELTA_NET)))
 
 
 def _small(config_class, **extra):
@@ -57,6 +60,14 @@ def _small(config_class, **extra):
         hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=1000, head_dim=16, **extra,
     )  # fmt: skip
+
+
+# Gated DeltaNet layers: two key heads of 16, four value heads of 8, a kernel of 4; every other one
+GATED_DELTA_NET = {
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+    "layer_types": ["linear_attention", "full_attention"] * 2,
+}  # fmt: skip
 
 
 def _latent(config_class, **extra):
@@ -103,10 +114,13 @@ def test_latent_attention_is_predicted_for_generate_but_not_for_the_layers_bound
         _small(tf.Llama4TextConfig, attention_chunk_size=4, num_local_experts=2, intermediate_size_mlp=128),
         _latent(tf.DeepseekV3Config),  # latent attention: its compressed latents cached
         _latent(tf.DeepseekV32Config, index_head_dim=16, index_n_heads=2, index_topk=4),  # and indexer keys
+        # Gated DeltaNet layers beside full attention: convolution and recurrent states of a fixed size
+        _small(tf.Qwen3NextConfig, **GATED_DELTA_NET, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+        _small(tf.OlmoHybridConfig, **GATED_DELTA_NET, pad_token_id=0),
     ],
     ids=[
         "full", "sliding", "alternating", "pattern", "per-layer-heads", "shared-layers", "chunked", "latent",
-        "latent-indexed",
+        "latent-indexed", "gated-delta-net", "gated-delta-net-olmo",
     ],
 )  # fmt: skip
 def test_the_prediction_is_the_cache_eager_generate_leaves(config):
@@ -119,8 +133,9 @@ def test_the_prediction_is_the_cache_eager_generate_leaves(config):
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=5, return_dict_in_generate=True, **GREEDY)
     cache = out.past_key_values
-    kept = ("keys", "values", "indexer_keys")
-    tensors = (getattr(layer, name, None) for layer in cache.layers for name in kept)
+    kept = ("keys", "values", "indexer_keys", "conv_states", "recurrent_states")
+    found = [getattr(layer, name, None) for layer in cache.layers for name in kept]
+    tensors = [t for f in found for t in (f.values() if isinstance(f, dict) else [f])]  # states by index
     held = sum(t.nbytes for t in tensors if t is not None)
     assert final_kv_bytes(model, (ids,), {"max_new_tokens": 5}) == held > 0
 
