@@ -10,8 +10,8 @@ the output head's logits at the kept positions (in fp32, twice: Transformers upc
 counts all of it generously: it gates, it does not plan, and a bound too high only costs a call the wait
 for capture. Only where every layer is an attention layer whose cache ``kv_cache`` predicts (keys and
 values per head, or latent attention's latents, expanded to every head's keys and values in each
-layer's call) or a Gated DeltaNet layer (``linear_attention``): state-space scans and other linear
-attention hold states no config bound sees.
+layer's call) or a Gated DeltaNet or Mamba layer (``linear_attention``): other state-space scans and
+linear attention hold states no config bound sees.
 
 Routed experts add, per token and expert it is routed to, the token's states and its expert's
 intermediate states, and the router's logits over all experts; only where their eager code
@@ -88,8 +88,8 @@ def eager_call_bytes(
     lengths = _token_lengths(inputs)
     cache = next((inputs[n] for n in _CACHES if inputs.get(n) is not None), None)
     past = _cached_positions(cache)
-    if lengths is None or past is None or not (hidden and heads and vocab):
-        return None
+    if lengths is None or past is None or not (hidden and vocab):
+        return None  # (no heads: no attention layer, or the cache is not predicted below)
     batch, tokens, decoded = lengths
     keys = past + tokens
     itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)

@@ -8,9 +8,9 @@ the config: chunked attention is cached as a sliding window of the chunk's size,
 another layer's cache (Gemma 4's shared layers) or has no attention caches nothing. Multi-head latent attention (DeepSeek's, a ``kv_lora_rank`` in the config) caches its
 compressed latents, one head of ``kv_lora_rank`` and one of ``qk_rope_head_dim`` per position (since
 Transformers 5.25, checked; earlier versions are not predicted), and an indexed layer (DeepSeek V3.2's
-sparse attention) its indexer's keys beside them. Gated DeltaNet layers keep states of a fixed size
-(``linear_attention``). Any other kind of layer (state-space states, other linear attention, compressed
-attention) is not predicted.
+sparse attention) its indexer's keys beside them. Gated DeltaNet's and Mamba's layers keep states of a
+fixed size (``linear_attention``). Any other kind of layer (Mamba-2's states, other linear attention,
+compressed attention) is not predicted.
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ def _positions(
     linear: bool = False,
 ) -> list[int] | None:
     """``cache_positions`` with the layer kinds in ``full`` holding every position, the layers being of
-    ``kinds`` (``_layer_kinds``); ``linear``: Gated DeltaNet layers hold no position (their states are
-    counted apart)."""
-    if kinds is None or any(_attr(text, attr) not in (None, 0) for attr in _OTHER_CACHES):
+    ``kinds`` (``_layer_kinds``); ``linear``: linear-attention layers hold no position (their states are
+    counted apart: ``linear_attention``)."""
+    if kinds is None or (not linear and any(_attr(text, attr) not in (None, 0) for attr in _OTHER_CACHES)):
         return None
     positions = []
     for kind, layer_kwargs in kinds:
@@ -156,7 +156,7 @@ def predicted_cache_bytes(config: Any, batch: int, length: int, itemsize: int) -
     indexed layers' indexer keys and Gated DeltaNet layers' states too); None where not predicted."""
     text = text_config(config)
     kinds = _layer_kinds(text)  # read once: Transformers builds every layer's kind from the config
-    linear = linear_attention.is_gated_delta_net(text)
+    linear = linear_attention.is_read(text)
     positions = _positions(text, length, _FULL, kinds, linear)
     per_position = _per_layer_position_bytes(text, itemsize, kinds)
     if positions is None or per_position is None:

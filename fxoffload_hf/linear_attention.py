@@ -1,14 +1,20 @@
-"""Gated DeltaNet layers (Qwen3-Next, Qwen3.5, OLMo hybrid and their kin), from the config alone: the
-states their cache keeps, and what one such layer holds while it computes eagerly.
+"""Layers Transformers caches as linear attention, from the config alone: Gated DeltaNet's (Qwen3-Next,
+Qwen3.5, OLMo hybrid, LaraMini) and Mamba's (Mamba, Falcon-Mamba): the states their cache keeps, and
+what one such layer holds while it computes eagerly.
 
-Transformers caches a linear-attention layer as a ``LinearAttentionLayer``: its convolution's last
-``linear_conv_kernel_dim`` inputs (every query, key and value channel, in the model's dtype) and one
-recurrent state per value head (``linear_key_head_dim`` x ``linear_value_head_dim``, in fp32, as the
-kernels compute it), both written in place, whatever the length. Without the ``fla`` kernels (the CPU),
-a prompt runs ``torch_chunk_gated_delta_rule``: queries, keys and values in fp32, padded to a multiple of
-its chunk of 64 positions, with a chunk's pairwise decays and attention per position and head; a decode
-step runs ``torch_recurrent_gated_delta_rule``, a few copies of every head's state. The bound here
-counts both generously, for the layer that holds the most (layers compute one after another).
+Transformers caches such a layer as a ``LinearAttentionLayer``: its convolution's last inputs (in the
+model's dtype) and its recurrent states (in fp32, as the kernels compute them), both written in place,
+whatever the length. Without the ``fla`` or ``mamba_ssm`` kernels (the CPU) its torch code runs:
+
+- Gated DeltaNet: a prompt in ``torch_chunk_gated_delta_rule`` (queries, keys and values in fp32, padded
+  to a multiple of its chunk of 64 positions, with a chunk's pairwise decays and attention per position
+  and head), a decode step in ``torch_recurrent_gated_delta_rule`` (a few copies of every head's state);
+- Mamba: a prompt in ``mamba_selective_scan``'s loop (the discretised state matrices of every position,
+  ``intermediate_size`` x ``state_size`` each in fp32, before the scan runs through them), a decode step in
+  ``mamba_selective_state_update`` (a few copies of the state).
+
+The bound here counts them generously, for the layer that holds the most (layers compute one after
+another). Other linear attention (Mamba-2's chunked scan, Lightning attention, KDA) is not read.
 """
 
 from __future__ import annotations
@@ -18,69 +24,111 @@ from typing import Any
 
 from torch import nn
 
-# the config attributes of a Gated DeltaNet layer, all Transformers' families name them so
-_SHAPE = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
-_CHUNK = 64  # torch_chunk_gated_delta_rule's chunk of positions
 _FP32 = 4
 _KIND = "linear_attention"  # Transformers' layer type of such a layer
-# per model: whether it has Transformers' Gated DeltaNet modules (``*GatedDeltaNet``)
-_has_layers: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+_CHUNK = 64  # torch_chunk_gated_delta_rule's chunk of positions
+# the config attributes of each family's layers, as all Transformers' models of it name them
+_GATED_DELTA_NET = (
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)  # fmt: skip
+_MAMBA = ("intermediate_size", "state_size", "conv_kernel", "time_step_rank")
+# the modules whose torch code the bound reads, by family
+_MAMBA_MIXERS = frozenset({"MambaMixer", "FalconMambaMixer"})
+# per model: the class names of its modules
+_module_names: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
-def _shape(config: Any) -> tuple[int, int, int, int, int] | None:
-    """Key heads, value heads, key and value head sizes and the convolution's kernel; None unless the
-    config states them all."""
-    values = [getattr(config, name, None) for name in (*_SHAPE, "linear_conv_kernel_dim")]
+def _sizes(config: Any, names: tuple[str, ...]) -> list[int] | None:
+    values = [getattr(config, name, None) for name in names]
     numbers = [v for v in values if isinstance(v, int) and v > 0]
-    if len(numbers) != len(values):
-        return None
-    k_heads, v_heads, k_dim, v_dim, kernel = numbers
-    return k_heads, v_heads, k_dim, v_dim, kernel
+    return numbers if len(numbers) == len(values) else None
 
 
-def is_gated_delta_net(config: Any) -> bool:
-    """Whether ``config`` (a decoder's text config, or one layer's) describes Gated DeltaNet layers."""
-    return _shape(config) is not None
+def _stated(config: Any, names: tuple[str, ...]) -> list[int]:
+    """The sizes of a family ``_family`` found."""
+    sizes = _sizes(config, names)
+    assert sizes is not None
+    return sizes
+
+
+def _family(config: Any) -> str | None:
+    """``"gated_delta_net"`` or ``"mamba"`` where ``config`` (a decoder's text config) describes such
+    layers (Mamba's: none of Mamba-2's heads), else None."""
+    if _sizes(config, _GATED_DELTA_NET) is not None:
+        return "gated_delta_net"
+    if _sizes(config, _MAMBA) is not None and getattr(config, "n_groups", None) is None:
+        return "mamba"
+    return None
+
+
+def is_read(config: Any) -> bool:
+    """Whether ``config``'s linear-attention layers are of a family this module sizes."""
+    return _family(config) is not None
 
 
 def state_bytes(config: Any, batch: int, itemsize: int) -> int | None:
-    """Bytes one Gated DeltaNet layer's cache keeps for ``batch`` sequences (its convolution's inputs and
-    its recurrent states), at any length; None where the config does not describe such layers."""
-    shape = _shape(config)
-    if shape is None:
-        return None
-    k_heads, v_heads, k_dim, v_dim, kernel = shape
-    channels = 2 * k_heads * k_dim + v_heads * v_dim  # the convolution's: queries, keys and values
-    return batch * (channels * kernel * itemsize + v_heads * k_dim * v_dim * _FP32)
+    """Bytes one linear-attention layer's cache keeps for ``batch`` sequences (its convolution's inputs and
+    its recurrent states), at any length; None where the config describes no family read here."""
+    family = _family(config)
+    if family == "gated_delta_net":
+        k_heads, v_heads, k_dim, v_dim, kernel = _stated(config, _GATED_DELTA_NET)
+        channels = 2 * k_heads * k_dim + v_heads * v_dim  # the convolution's: queries, keys and values
+        return batch * (channels * kernel * itemsize + v_heads * k_dim * v_dim * _FP32)
+    if family == "mamba":
+        inner, state, kernel, _rank = _stated(config, _MAMBA)
+        return batch * inner * (kernel * itemsize + state * _FP32)
+    return None
 
 
 def computing_bytes(
     model: nn.Module, config: Any, batch: int, tokens: int, itemsize: int, stepping: bool
 ) -> int | None:
-    """What one Gated DeltaNet layer of ``model`` holds at most while it computes ``tokens`` positions of
-    ``batch`` sequences eagerly, beside the model's dense per-token states (``stepping``: one position
-    after cached ones, which the recurrent rule computes unpadded): 0 where no layer is one, None where
-    layers are of that kind but not Transformers' ``*GatedDeltaNet`` modules the bound reads."""
-    if model not in _has_layers:
-        _has_layers[model] = any(type(m).__name__.endswith("GatedDeltaNet") for m in model.modules())
+    """What one linear-attention layer of ``model`` holds at most while it computes ``tokens`` positions
+    of ``batch`` sequences eagerly, beside the model's dense per-token states (``stepping``: one position
+    after cached ones, which the recurrent rule computes): 0 where the model has no such layer, None where
+    its layers are not of a family and modules read here."""
+    if model not in _module_names:
+        _module_names[model] = frozenset(type(m).__name__ for m in model.modules())
+    names = _module_names[model]
+    gated = any(name.endswith("GatedDeltaNet") for name in names)
+    mamba = bool(names & _MAMBA_MIXERS)
     linear = _KIND in (getattr(config, "layer_types", None) or ())
-    if not linear and not _has_layers[model]:
+    if not (linear or gated or mamba):
         return 0
-    shape = _shape(config)
-    if shape is None or not (linear and _has_layers[model]):
-        return None
-    k_heads, v_heads, k_dim, v_dim, _kernel = shape
+    family = _family(config)
+    if family == "gated_delta_net" and gated and linear:
+        return _gated_delta_net_bytes(config, batch, tokens, itemsize, stepping)
+    if family == "mamba" and mamba and not gated:
+        return _mamba_bytes(config, batch, tokens, itemsize, stepping)
+    return None
+
+
+def _gated_delta_net_bytes(config: Any, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
+    k_heads, v_heads, k_dim, v_dim, _kernel = _stated(config, _GATED_DELTA_NET)
     key_width, value_width = k_heads * k_dim, v_heads * v_dim
     # in the model's dtype, per position: the projections of queries, keys, values and gates, the
     # convolution's input, output and activation, queries and keys repeated to every value head, the
     # gated norm and its output; twice over
     projected = 2 * (2 * (2 * key_width + 2 * value_width) + 3 * (2 * key_width + value_width))
     projected += 2 * 2 * v_heads * k_dim + 4 * value_width
-    # in fp32, per padded position and value head: a dozen copies of its query, key and value (cast,
-    # normalised, scaled, padded, weighted by beta, decayed, solved for, the output), and the chunk's
-    # pairwise decays, triangular system and attention (a row of the chunk each, a few of them)
+    # in fp32, per (padded) position and value head: a dozen copies of its query, key and value (cast,
+    # normalised, scaled, padded, weighted by beta, decayed, solved for, the output), and a prompt's
+    # chunk: pairwise decays, triangular system and attention (a row of the chunk each, a few of them)
     padded = tokens if stepping else -(-tokens // _CHUNK) * _CHUNK
     per_head = 16 * (k_dim + v_dim) + (0 if stepping else 10 * _CHUNK)
     # the recurrent state, and the copies an update makes (decayed, its products with the key and query)
     states = 5 * v_heads * k_dim * v_dim
     return batch * (tokens * projected * itemsize + (padded * v_heads * per_head + states) * _FP32)
+
+
+def _mamba_bytes(config: Any, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
+    inner, state, _kernel, rank = _stated(config, _MAMBA)
+    # per position, in the model's dtype: the input projection (twice the inner width), the convolution's
+    # input, output and activation, the time step and its projection, the scan's output and gate; twice
+    projected = 2 * (10 * inner + 2 * (rank + 2 * state)) * itemsize
+    # in fp32: a prompt's discretised A, B and B times the input for every position (and the product
+    # before A's exponential), the time step and each position's output; a step's state, copied a few times
+    scanned = (4 * inner * state + 4 * inner) * _FP32
+    states = (6 if stepping else 3) * inner * state * _FP32
+    return batch * (tokens * (projected + (0 if stepping else scanned)) + states)

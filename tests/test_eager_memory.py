@@ -188,8 +188,15 @@ def test_the_bound_covers_what_routed_experts_hold_eagerly(arch, checkpoint_conf
             assert bound is not None and bound >= decode
 
 
-def _gated_delta_net(arch: str) -> torch.nn.Module:
-    """Gated DeltaNet layers (two key heads of 32, four value heads of 32) beside full attention."""
+def _linear_attention(arch: str) -> torch.nn.Module:
+    """Gated DeltaNet layers (two key heads of 32, four value heads of 32) beside full attention, or
+    Mamba layers (an inner width of 256, states of 16)."""
+    if arch in ("mamba", "falcon_mamba"):
+        mamba = transformers.MambaConfig if arch == "mamba" else transformers.FalconMambaConfig
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(
+            mamba(hidden_size=128, intermediate_size=256, state_size=16, num_hidden_layers=2, vocab_size=1000)
+        ).eval()
     shape = {
         "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000, "linear_num_key_heads": 2,
@@ -206,11 +213,11 @@ def _gated_delta_net(arch: str) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "olmo_hybrid"])
-def test_the_bound_covers_what_gated_delta_net_layers_hold_eagerly(arch):
-    """Measured from the allocator: prompts shorter and longer than the kernel's chunk of 64 positions
+@pytest.mark.parametrize("arch", ["qwen3_next", "olmo_hybrid", "mamba", "falcon_mamba"])
+def test_the_bound_covers_what_linear_attention_layers_hold_eagerly(arch):
+    """Measured from the allocator: prompts shorter and longer than Gated DeltaNet's chunk of 64 positions
     (padded to whole chunks), a batch, and a decode step with the layers' states in its cache."""
-    model = _gated_delta_net(arch)
+    model = _linear_attention(arch)
     for batch, tokens in [(1, 3), (2, 65)]:
         ids = torch.randint(0, 1000, (batch, tokens), generator=torch.Generator().manual_seed(tokens))
         cache = transformers.DynamicCache(config=model.config)

@@ -70,6 +70,12 @@ GATED_DELTA_NET = {
 }  # fmt: skip
 
 
+MAMBA = {
+    "hidden_size": 64, "intermediate_size": 128, "state_size": 8, "conv_kernel": 4, "time_step_rank": 8,
+    "num_hidden_layers": 3, "vocab_size": 1000,
+}  # fmt: skip
+
+
 def _latent(config_class, **extra):
     return config_class(
         hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
@@ -117,10 +123,13 @@ def test_latent_attention_is_predicted_for_generate_but_not_for_the_layers_bound
         # Gated DeltaNet layers beside full attention: convolution and recurrent states of a fixed size
         _small(tf.Qwen3NextConfig, **GATED_DELTA_NET, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
         _small(tf.OlmoHybridConfig, **GATED_DELTA_NET, pad_token_id=0),
+        # Mamba layers: a convolution's and a scan's states of a fixed size
+        tf.MambaConfig(**MAMBA),
+        tf.FalconMambaConfig(**MAMBA),
     ],
     ids=[
         "full", "sliding", "alternating", "pattern", "per-layer-heads", "shared-layers", "chunked", "latent",
-        "latent-indexed", "gated-delta-net", "gated-delta-net-olmo",
+        "latent-indexed", "gated-delta-net", "gated-delta-net-olmo", "mamba", "falcon-mamba",
     ],
 )  # fmt: skip
 def test_the_prediction_is_the_cache_eager_generate_leaves(config):
