@@ -1,6 +1,6 @@
 """Layers Transformers caches as linear attention, from the config alone: Gated DeltaNet's (Qwen3-Next,
-Qwen3.5, OLMo hybrid, LaraMini) and Mamba's (Mamba, Falcon-Mamba): the states their cache keeps, and
-what one such layer holds while it computes eagerly.
+Qwen3.5, OLMo hybrid, LaraMini) and Mamba's (Mamba, Falcon-Mamba, Jamba): the states their cache keeps,
+and what one such layer holds while it computes eagerly.
 
 Transformers caches such a layer as a ``LinearAttentionLayer``: its convolution's last inputs (in the
 model's dtype) and its recurrent states (in fp32, as the kernels compute them), both written in place,
@@ -33,8 +33,9 @@ _GATED_DELTA_NET = (
     "linear_conv_kernel_dim",
 )  # fmt: skip
 _MAMBA = ("intermediate_size", "state_size", "conv_kernel", "time_step_rank")
+_JAMBA = ("mamba_expand", "mamba_d_state", "mamba_d_conv", "mamba_dt_rank")  # inner width: expand x hidden
 # the modules whose torch code the bound reads, by family
-_MAMBA_MIXERS = frozenset({"MambaMixer", "FalconMambaMixer"})
+_MAMBA_MIXERS = frozenset({"MambaMixer", "FalconMambaMixer", "JambaMambaMixer"})
 # per model: the class names of its modules
 _module_names: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
 
@@ -57,8 +58,24 @@ def _family(config: Any) -> str | None:
     layers (Mamba's: none of Mamba-2's heads), else None."""
     if _sizes(config, _GATED_DELTA_NET) is not None:
         return "gated_delta_net"
-    if _sizes(config, _MAMBA) is not None and getattr(config, "n_groups", None) is None:
+    if _mamba_sizes(config) is not None:
         return "mamba"
+    return None
+
+
+def _mamba_sizes(config: Any) -> tuple[int, int, int, int] | None:
+    """A Mamba layer's inner width, state size, convolution kernel and time-step rank (Mamba's and
+    Falcon-Mamba's names, or Jamba's); None where not stated, or for Mamba-2 (its groups of heads)."""
+    if getattr(config, "n_groups", None) is not None:
+        return None
+    mamba = _sizes(config, _MAMBA)
+    if mamba is not None:
+        inner, state, kernel, rank = mamba
+        return inner, state, kernel, rank
+    jamba = _sizes(config, (*_JAMBA, "hidden_size"))
+    if jamba is not None:
+        expand, state, kernel, rank, hidden = jamba
+        return expand * hidden, state, kernel, rank
     return None
 
 
@@ -76,7 +93,7 @@ def state_bytes(config: Any, batch: int, itemsize: int) -> int | None:
         channels = 2 * k_heads * k_dim + v_heads * v_dim  # the convolution's: queries, keys and values
         return batch * (channels * kernel * itemsize + v_heads * k_dim * v_dim * _FP32)
     if family == "mamba":
-        inner, state, kernel, _rank = _stated(config, _MAMBA)
+        inner, state, kernel, _rank = _mamba_sizes(config) or (0, 0, 0, 0)
         return batch * inner * (kernel * itemsize + state * _FP32)
     return None
 
@@ -123,7 +140,7 @@ def _gated_delta_net_bytes(config: Any, batch: int, tokens: int, itemsize: int, 
 
 
 def _mamba_bytes(config: Any, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
-    inner, state, _kernel, rank = _stated(config, _MAMBA)
+    inner, state, _kernel, rank = _mamba_sizes(config) or (0, 0, 0, 0)
     # per position, in the model's dtype: the input projection (twice the inner width), the convolution's
     # input, output and activation, the time step and its projection, the scan's output and gate; twice
     projected = 2 * (10 * inner + 2 * (rank + 2 * state)) * itemsize

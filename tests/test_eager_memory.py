@@ -191,6 +191,26 @@ def test_the_bound_covers_what_routed_experts_hold_eagerly(arch, checkpoint_conf
 def _linear_attention(arch: str) -> torch.nn.Module:
     """Gated DeltaNet layers (two key heads of 32, four value heads of 32) beside full attention, or
     Mamba layers (an inner width of 256, states of 16)."""
+    if arch == "jamba":  # Mamba layers beside attention, routed experts
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(
+            transformers.JambaConfig(
+                hidden_size=128,
+                intermediate_size=256,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=1000,
+                mamba_d_state=16,
+                num_experts=4,
+                num_experts_per_tok=2,
+                attn_layer_period=2,
+                attn_layer_offset=1,
+                expert_layer_period=2,
+                expert_layer_offset=1,
+                pad_token_id=0,
+            )
+        ).eval()
     if arch in ("mamba", "falcon_mamba"):
         mamba = transformers.MambaConfig if arch == "mamba" else transformers.FalconMambaConfig
         torch.manual_seed(0)
@@ -213,7 +233,7 @@ def _linear_attention(arch: str) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "olmo_hybrid", "mamba", "falcon_mamba"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "olmo_hybrid", "mamba", "falcon_mamba", "jamba"])
 def test_the_bound_covers_what_linear_attention_layers_hold_eagerly(arch):
     """Measured from the allocator: prompts shorter and longer than Gated DeltaNet's chunk of 64 positions
     (padded to whole chunks), a batch, and a decode step with the layers' states in its cache."""

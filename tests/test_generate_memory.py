@@ -43,14 +43,13 @@ def test_no_prediction_where_the_cache_holds_something_else(checkpoint_config):
         assert not predictable_cache(
             tf.OpenAIGPTLMHeadModel(tf.OpenAIGPTConfig(n_layer=2, n_embd=64, n_head=2))
         )
-    # Mamba layers beside attention ones hold states the config does not size (Transformers calls them
-    # linear attention too); Gated DeltaNet layers' states are predicted (below)
-    hybrid = tf.JambaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1000, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
-        attn_layer_offset=1,
+    # Mamba-2 layers beside attention ones hold states not sized here; Gated DeltaNet's and Mamba's
+    # layers' states are predicted (below)
+    hybrid = tf.FalconH1Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16,
     )  # fmt: skip
-    assert "linear_attention" in hybrid.layer_types and not predictable_cache(_tiny(hybrid))
+    assert not predictable_cache(_tiny(hybrid))
     assert predictable_cache(_tiny(checkpoint_config("llama")))
     assert predictable_cache(_tiny(_small(tf.Qwen3NextConfig, **GATED_DELTA_NET)))
 
@@ -126,10 +125,15 @@ def test_latent_attention_is_predicted_for_generate_but_not_for_the_layers_bound
         # Mamba layers: a convolution's and a scan's states of a fixed size
         tf.MambaConfig(**MAMBA),
         tf.FalconMambaConfig(**MAMBA),
+        # beside attention layers and routed experts
+        _small(
+            tf.JambaConfig, mamba_d_state=8, mamba_expand=2, num_experts=4, num_experts_per_tok=2,
+            attn_layer_period=2, attn_layer_offset=1, pad_token_id=0,
+        ),
     ],
     ids=[
         "full", "sliding", "alternating", "pattern", "per-layer-heads", "shared-layers", "chunked", "latent",
-        "latent-indexed", "gated-delta-net", "gated-delta-net-olmo", "mamba", "falcon-mamba",
+        "latent-indexed", "gated-delta-net", "gated-delta-net-olmo", "mamba", "falcon-mamba", "jamba",
     ],
 )  # fmt: skip
 def test_the_prediction_is_the_cache_eager_generate_leaves(config):
