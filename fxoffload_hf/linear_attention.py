@@ -1,6 +1,7 @@
 """Layers Transformers caches as linear attention, from the config alone: Gated DeltaNet's (Qwen3-Next,
-Qwen3.5, OLMo hybrid, LaraMini) and Mamba's (Mamba, Falcon-Mamba, Jamba): the states their cache keeps,
-and what one such layer holds while it computes eagerly.
+Qwen3.5, OLMo hybrid, LaraMini), Mamba's (Mamba, Falcon-Mamba, Jamba) and Mamba-2's (Mamba-2,
+Nemotron-H, Bamba): the states their cache keeps, and what one such layer holds while it computes
+eagerly.
 
 Transformers caches such a layer as a ``LinearAttentionLayer``: its convolution's last inputs (in the
 model's dtype) and its recurrent states (in fp32, as the kernels compute them), both written in place,
@@ -11,10 +12,14 @@ whatever the length. Without the ``fla`` or ``mamba_ssm`` kernels (the CPU) its 
   and head), a decode step in ``torch_recurrent_gated_delta_rule`` (a few copies of every head's state);
 - Mamba: a prompt in ``mamba_selective_scan``'s loop (the discretised state matrices of every position,
   ``intermediate_size`` x ``state_size`` each in fp32, before the scan runs through them), a decode step in
-  ``mamba_selective_state_update`` (a few copies of the state).
+  ``mamba_selective_state_update`` (a few copies of the state);
+- Mamba-2: a prompt in ``mamba2_chunk_scan`` (padded to whole chunks of ``chunk_size``, in fp32, with each
+  chunk's segment sums and products per position and head, and every head's state per chunk), a decode
+  step in ``mamba2_selective_state_update``.
 
 The bound here counts them generously, for the layer that holds the most (layers compute one after
-another). Other linear attention (Mamba-2's chunked scan, Lightning attention, KDA) is not read.
+another). Other linear attention (Lightning attention, KDA, layers of attention and a scan side by side)
+is not read.
 """
 
 from __future__ import annotations
@@ -34,14 +39,29 @@ _GATED_DELTA_NET = (
 )  # fmt: skip
 _MAMBA = ("intermediate_size", "state_size", "conv_kernel", "time_step_rank")
 _JAMBA = ("mamba_expand", "mamba_d_state", "mamba_d_conv", "mamba_dt_rank")  # inner width: expand x hidden
+# Mamba-2's sizes, as its families name them: heads, head size, state size, groups, kernel, chunk
+_MAMBA2 = (
+    ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "chunk_size"),  # Mamba-2
+    ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel", "chunk_size"),  # Nemotron-H
+    ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_chunk_size"),  # Bamba
+)  # fmt: skip
 # the modules whose torch code the bound reads, by family
 _MAMBA_MIXERS = frozenset({"MambaMixer", "FalconMambaMixer", "JambaMambaMixer"})
+_MAMBA2_MIXERS = frozenset({"Mamba2Mixer", "NemotronHMamba2Mixer", "BambaMixer"})
 # per model: the class names of its modules
 _module_names: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
+def _value(config: Any, name: str) -> Any:
+    """``config.name``, or None where it is missing or differs by layer (Transformers' own error)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError, not an AttributeError
+        return None
+
+
 def _sizes(config: Any, names: tuple[str, ...]) -> list[int] | None:
-    values = [getattr(config, name, None) for name in names]
+    values = [_value(config, name) for name in names]
     numbers = [v for v in values if isinstance(v, int) and v > 0]
     return numbers if len(numbers) == len(values) else None
 
@@ -54,20 +74,33 @@ def _stated(config: Any, names: tuple[str, ...]) -> list[int]:
 
 
 def _family(config: Any) -> str | None:
-    """``"gated_delta_net"`` or ``"mamba"`` where ``config`` (a decoder's text config) describes such
-    layers (Mamba's: none of Mamba-2's heads), else None."""
+    """``"gated_delta_net"``, ``"mamba2"`` or ``"mamba"`` where ``config`` (a decoder's text config)
+    describes such layers, else None."""
     if _sizes(config, _GATED_DELTA_NET) is not None:
         return "gated_delta_net"
+    if _mamba2_sizes(config) is not None:
+        return "mamba2"
     if _mamba_sizes(config) is not None:
         return "mamba"
+    return None
+
+
+def _mamba2_sizes(config: Any) -> tuple[int, int, int, int, int, int] | None:
+    """A Mamba-2 layer's heads, head size, state size, groups, convolution kernel and chunk (``_MAMBA2``'s
+    names); None where not stated."""
+    for names in _MAMBA2:
+        sizes = _sizes(config, names)
+        if sizes is not None:
+            heads, head_dim, state, groups, kernel, chunk = sizes
+            return heads, head_dim, state, groups, kernel, chunk
     return None
 
 
 def _mamba_sizes(config: Any) -> tuple[int, int, int, int] | None:
     """A Mamba layer's inner width, state size, convolution kernel and time-step rank (Mamba's and
     Falcon-Mamba's names, or Jamba's); None where not stated, or for Mamba-2 (its groups of heads)."""
-    if getattr(config, "n_groups", None) is not None:
-        return None
+    if any(_value(config, name) is not None for name in ("n_groups", "n_mamba_heads")):
+        return None  # Mamba-2's groups, Zamba's heads
     mamba = _sizes(config, _MAMBA)
     if mamba is not None:
         inner, state, kernel, rank = mamba
@@ -95,6 +128,10 @@ def state_bytes(config: Any, batch: int, itemsize: int) -> int | None:
     if family == "mamba":
         inner, state, kernel, _rank = _mamba_sizes(config) or (0, 0, 0, 0)
         return batch * inner * (kernel * itemsize + state * _FP32)
+    if family == "mamba2":
+        heads, head_dim, state, groups, kernel, _chunk = _mamba2_sizes(config) or (0, 0, 0, 0, 0, 0)
+        channels = heads * head_dim + 2 * groups * state  # the convolution's: the inner states, B and C
+        return batch * (channels * kernel * itemsize + heads * head_dim * state * _FP32)
     return None
 
 
@@ -109,15 +146,19 @@ def computing_bytes(
         _module_names[model] = frozenset(type(m).__name__ for m in model.modules())
     names = _module_names[model]
     gated = any(name.endswith("GatedDeltaNet") for name in names)
-    mamba = bool(names & _MAMBA_MIXERS)
-    linear = _KIND in (getattr(config, "layer_types", None) or ())
-    if not (linear or gated or mamba):
+    mamba, mamba2 = bool(names & _MAMBA_MIXERS), bool(names & _MAMBA2_MIXERS)
+    linear = _KIND in (_value(config, "layer_types") or ())
+    if not (linear or gated or mamba or mamba2):
         return 0
     family = _family(config)
+    if [gated, mamba, mamba2].count(True) != 1:
+        return None  # no module, or several families, the bound reads
     if family == "gated_delta_net" and gated and linear:
         return _gated_delta_net_bytes(config, batch, tokens, itemsize, stepping)
-    if family == "mamba" and mamba and not gated:
+    if family == "mamba" and mamba:
         return _mamba_bytes(config, batch, tokens, itemsize, stepping)
+    if family == "mamba2" and mamba2:
+        return _mamba2_bytes(config, batch, tokens, itemsize, stepping)
     return None
 
 
@@ -149,3 +190,22 @@ def _mamba_bytes(config: Any, batch: int, tokens: int, itemsize: int, stepping: 
     scanned = (4 * inner * state + 4 * inner) * _FP32
     states = (6 if stepping else 3) * inner * state * _FP32
     return batch * (tokens * (projected + (0 if stepping else scanned)) + states)
+
+
+def _mamba2_bytes(config: Any, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
+    heads, head_dim, state, groups, _kernel, chunk = _mamba2_sizes(config) or (0, 0, 0, 0, 0, 0)
+    inner, channels = heads * head_dim, heads * head_dim + 2 * groups * state
+    # per position, in the model's dtype: the input projection (gate, convolution's input, time steps),
+    # the convolution's output and activation, the gated norm and its output; twice over
+    projected = 2 * (2 * inner + 3 * channels + heads + 4 * inner) * itemsize
+    states = 6 * heads * head_dim * state * _FP32  # the state, and the copies a step or a chunk makes
+    if stepping:
+        return batch * (tokens * projected + states)
+    # a prompt's chunked scan, padded to whole chunks, in fp32: per position and head its inputs (cast,
+    # scaled, padded, chunked, the skip connection), B and C repeated to every head and decayed, the
+    # outputs within and across chunks; the chunk's segment sums, decays and products (a row of the
+    # chunk each, a few of them); per chunk, every head's state a few times over
+    padded = -(-tokens // chunk) * chunk
+    scanned = padded * heads * (12 * head_dim + 8 * state + 8 * chunk) * _FP32
+    per_chunk = 4 * (padded // chunk + 1) * heads * head_dim * state * _FP32
+    return batch * (tokens * projected + scanned + per_chunk + states)

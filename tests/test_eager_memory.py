@@ -211,6 +211,20 @@ def _linear_attention(arch: str) -> torch.nn.Module:
                 pad_token_id=0,
             )
         ).eval()
+    mamba2 = {"hidden_size": 128, "vocab_size": 1000, "n_groups": 1, "chunk_size": 16}
+    if arch == "mamba2":  # chunks of 16 positions
+        config = transformers.Mamba2Config(
+            **mamba2, num_hidden_layers=2, num_heads=8, head_dim=32, expand=2, state_size=16
+        )
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(config).eval()
+    if arch == "nemotron_h":  # Mamba-2, attention and MLP layers
+        config = transformers.NemotronHConfig(
+            **mamba2, num_hidden_layers=3, hybrid_override_pattern="M*-", mamba_num_heads=8, mamba_head_dim=32,
+            ssm_state_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(config).eval()
     if arch in ("mamba", "falcon_mamba"):
         mamba = transformers.MambaConfig if arch == "mamba" else transformers.FalconMambaConfig
         torch.manual_seed(0)
@@ -233,10 +247,13 @@ def _linear_attention(arch: str) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "olmo_hybrid", "mamba", "falcon_mamba", "jamba"])
+@pytest.mark.parametrize(
+    "arch", ["qwen3_next", "olmo_hybrid", "mamba", "falcon_mamba", "jamba", "mamba2", "nemotron_h"]
+)
 def test_the_bound_covers_what_linear_attention_layers_hold_eagerly(arch):
-    """Measured from the allocator: prompts shorter and longer than Gated DeltaNet's chunk of 64 positions
-    (padded to whole chunks), a batch, and a decode step with the layers' states in its cache."""
+    """Measured from the allocator: prompts shorter and longer than a chunk (Gated DeltaNet's 64
+    positions, Mamba-2's 16 here: padded to whole chunks), a batch, and a decode step with the layers'
+    states in its cache."""
     model = _linear_attention(arch)
     for batch, tokens in [(1, 3), (2, 65)]:
         ids = torch.randint(0, 1000, (batch, tokens), generator=torch.Generator().manual_seed(tokens))

@@ -75,6 +75,9 @@ MAMBA = {
 }  # fmt: skip
 
 
+MAMBA2 = {"hidden_size": 64, "vocab_size": 1000}
+
+
 def _latent(config_class, **extra):
     return config_class(
         hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
@@ -130,10 +133,23 @@ def test_latent_attention_is_predicted_for_generate_but_not_for_the_layers_bound
             tf.JambaConfig, mamba_d_state=8, mamba_expand=2, num_experts=4, num_experts_per_tok=2,
             attn_layer_period=2, attn_layer_offset=1, pad_token_id=0,
         ),
+        # Mamba-2 layers (heads, groups, chunks), alone, or beside attention and MLP layers
+        tf.Mamba2Config(**MAMBA2, num_hidden_layers=2, num_heads=8, head_dim=16, expand=2, state_size=8, n_groups=1, chunk_size=16),
+        tf.NemotronHConfig(
+            **MAMBA2, num_hidden_layers=3, hybrid_override_pattern="M*-", mamba_num_heads=8, mamba_head_dim=16,
+            ssm_state_size=8, n_groups=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128, chunk_size=16,
+        ),
+        tf.BambaConfig(
+            **MAMBA2, num_hidden_layers=2, mamba_n_heads=8, mamba_d_head=16, mamba_expand=2, mamba_d_state=8, mamba_n_groups=1,
+            num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, attn_layer_indices=[1],
+            mamba_chunk_size=16, pad_token_id=0,
+        ),
     ],
     ids=[
         "full", "sliding", "alternating", "pattern", "per-layer-heads", "shared-layers", "chunked", "latent",
-        "latent-indexed", "gated-delta-net", "gated-delta-net-olmo", "mamba", "falcon-mamba", "jamba",
+        "latent-indexed", "gated-delta-net", "gated-delta-net-olmo", "mamba", "falcon-mamba", "jamba", "mamba2",
+        "nemotron-h", "bamba",
     ],
 )  # fmt: skip
 def test_the_prediction_is_the_cache_eager_generate_leaves(config):
