@@ -93,7 +93,7 @@ def _positions(
         return None
     positions = []
     for kind, layer_kwargs in kinds:
-        if kind in full:
+        if kind in full or (linear and kind == "hybrid"):  # a hybrid: a linear layer's states beside
             positions.append(length)
         elif kind in _WINDOWED and isinstance(layer_kwargs.get("sliding_window"), int):
             positions.append(min(length, layer_kwargs["sliding_window"] - 1))
@@ -162,7 +162,7 @@ def predicted_cache_bytes(config: Any, batch: int, length: int, itemsize: int) -
     if positions is None or per_position is None:
         return None
     attention = batch * sum(p * b for p, b in zip(positions, per_position, strict=True))
-    linear_layers = sum(kind == "linear_attention" for kind, _ in kinds or ()) if linear else 0
+    linear_layers = sum(kind in ("linear_attention", "hybrid") for kind, _ in kinds or ()) if linear else 0
     return attention + linear_layers * (linear_attention.state_bytes(text, batch, itemsize) or 0)
 
 

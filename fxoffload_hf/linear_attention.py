@@ -30,7 +30,8 @@ from typing import Any
 from torch import nn
 
 _FP32 = 4
-_KIND = "linear_attention"  # Transformers' layer type of such a layer
+# Transformers' layer types of such layers: alone, or beside attention in the same layer (Falcon-H1's)
+_KINDS = frozenset({"linear_attention", "hybrid"})
 _CHUNK = 64  # torch_chunk_gated_delta_rule's chunk of positions
 # the config attributes of each family's layers, as all Transformers' models of it name them
 _GATED_DELTA_NET = (
@@ -47,7 +48,7 @@ _MAMBA2 = (
 )  # fmt: skip
 # the modules whose torch code the bound reads, by family
 _MAMBA_MIXERS = frozenset({"MambaMixer", "FalconMambaMixer", "JambaMambaMixer"})
-_MAMBA2_MIXERS = frozenset({"Mamba2Mixer", "NemotronHMamba2Mixer", "BambaMixer"})
+_MAMBA2_MIXERS = frozenset({"Mamba2Mixer", "NemotronHMamba2Mixer", "BambaMixer", "FalconH1Mixer"})
 # per model: the class names of its modules
 _module_names: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
 
@@ -147,7 +148,7 @@ def computing_bytes(
     names = _module_names[model]
     gated = any(name.endswith("GatedDeltaNet") for name in names)
     mamba, mamba2 = bool(names & _MAMBA_MIXERS), bool(names & _MAMBA2_MIXERS)
-    linear = _KIND in (_value(config, "layer_types") or ())
+    linear = bool(_KINDS & set(_value(config, "layer_types") or ()))
     if not (linear or gated or mamba or mamba2):
         return 0
     family = _family(config)

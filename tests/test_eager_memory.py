@@ -72,15 +72,16 @@ def test_calls_the_bound_cannot_read_have_none(build_model, checkpoint_config):
     assert eager_call_bytes(llama, (ids, ids), {}) is None
     assert eager_call_bytes(llama, (ids[0],), {}) is None  # not a batch of token ids
     assert eager_call_bytes(build_model("mlp"), (torch.ones(2, 256),), {}) is None  # no config
-    # layers other than attention beside attention: a hybrid's state-space scans (a tiny Falcon-H1's eager
-    # call held 465 MiB against a dense bound of 0.04 MiB)
-    hybrid = transformers.AutoConfig.for_model(
-        "falcon_h1", num_hidden_layers=2, num_attention_heads=4, hidden_size=128, intermediate_size=256,
-        vocab_size=1000,
+    # layers other than attention beside attention whose kernels the bound does not read: MiniMax's
+    # Lightning attention (a tiny Falcon-H1's Mamba-2 layers held 465 MiB against a dense bound of 0.04 MiB
+    # before their own term, ``linear_attention``)
+    hybrid = transformers.MiniMaxConfig(
+        num_hidden_layers=2, num_attention_heads=4, hidden_size=128, intermediate_size=256, vocab_size=1000,
+        layer_types=["linear_attention", "full_attention"],
     )  # fmt: skip
     with torch.device("meta"):
-        falcon_h1 = transformers.AutoModelForCausalLM.from_config(hybrid)
-    assert eager_call_bytes(falcon_h1, (ids,), {}, "cpu") is None
+        minimax = transformers.AutoModelForCausalLM.from_config(hybrid)
+    assert eager_call_bytes(minimax, (ids,), {}, "cpu") is None
     # routed experts whose eager code copies expert weights (batched_mm gathers one per routed token), a
     # stacked weight outside Transformers' experts modules: captured, where what they hold is measured
     config = checkpoint_config("mixtral")
@@ -225,6 +226,14 @@ def _linear_attention(arch: str) -> torch.nn.Module:
         )  # fmt: skip
         torch.manual_seed(0)
         return transformers.AutoModelForCausalLM.from_config(config).eval()
+    if arch == "falcon_h1":  # Mamba-2 and attention side by side in every layer
+        config = transformers.FalconH1Config(
+            hidden_size=128, vocab_size=1000, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, intermediate_size=256, mamba_d_ssm=256, mamba_n_heads=8, mamba_d_head=32,
+            mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16, pad_token_id=0,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(config).eval()
     if arch in ("mamba", "falcon_mamba"):
         mamba = transformers.MambaConfig if arch == "mamba" else transformers.FalconMambaConfig
         torch.manual_seed(0)
@@ -248,7 +257,8 @@ def _linear_attention(arch: str) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize(
-    "arch", ["qwen3_next", "olmo_hybrid", "mamba", "falcon_mamba", "jamba", "mamba2", "nemotron_h"]
+    "arch",
+    ["qwen3_next", "olmo_hybrid", "mamba", "falcon_mamba", "jamba", "mamba2", "nemotron_h", "falcon_h1"],
 )
 def test_the_bound_covers_what_linear_attention_layers_hold_eagerly(arch):
     """Measured from the allocator: prompts shorter and longer than a chunk (Gated DeltaNet's 64

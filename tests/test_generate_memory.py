@@ -43,11 +43,11 @@ def test_no_prediction_where_the_cache_holds_something_else(checkpoint_config):
         assert not predictable_cache(
             tf.OpenAIGPTLMHeadModel(tf.OpenAIGPTConfig(n_layer=2, n_embd=64, n_head=2))
         )
-    # Mamba-2 layers beside attention ones hold states not sized here; Gated DeltaNet's and Mamba's
-    # layers' states are predicted (below)
-    hybrid = tf.FalconH1Config(
+    # Lightning attention's layers beside attention ones hold states not sized here; Gated DeltaNet's,
+    # Mamba's and Mamba-2's layers' states are predicted (below)
+    hybrid = tf.MiniMaxConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1000, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16,
+        num_key_value_heads=2, head_dim=16, vocab_size=1000, layer_types=["linear_attention", "full_attention"],
     )  # fmt: skip
     assert not predictable_cache(_tiny(hybrid))
     assert predictable_cache(_tiny(checkpoint_config("llama")))
@@ -145,11 +145,17 @@ def test_latent_attention_is_predicted_for_generate_but_not_for_the_layers_bound
             num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, attn_layer_indices=[1],
             mamba_chunk_size=16, pad_token_id=0,
         ),
+        # Mamba-2 and attention side by side in every layer
+        tf.FalconH1Config(
+            **MAMBA2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8,
+            mamba_n_groups=1, mamba_chunk_size=16, pad_token_id=0,
+        ),
     ],
     ids=[
         "full", "sliding", "alternating", "pattern", "per-layer-heads", "shared-layers", "chunked", "latent",
         "latent-indexed", "gated-delta-net", "gated-delta-net-olmo", "mamba", "falcon-mamba", "jamba", "mamba2",
-        "nemotron-h", "bamba",
+        "nemotron-h", "bamba", "falcon-h1",
     ],
 )  # fmt: skip
 def test_the_prediction_is_the_cache_eager_generate_leaves(config):
