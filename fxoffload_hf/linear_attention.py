@@ -45,10 +45,20 @@ _MAMBA2 = (
     ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "chunk_size"),  # Mamba-2
     ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel", "chunk_size"),  # Nemotron-H
     ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_chunk_size"),  # Bamba
+    ("n_mamba_heads", "mamba_headdim", "mamba_d_state", "mamba_ngroups", "mamba_d_conv", "chunk_size"),  # Zamba 2
 )  # fmt: skip
 # the modules whose torch code the bound reads, by family
 _MAMBA_MIXERS = frozenset({"MambaMixer", "FalconMambaMixer", "JambaMambaMixer"})
-_MAMBA2_MIXERS = frozenset({"Mamba2Mixer", "NemotronHMamba2Mixer", "BambaMixer", "FalconH1Mixer"})
+_MAMBA2_MIXERS = frozenset(
+    {
+        "Mamba2Mixer",
+        "NemotronHMamba2Mixer",
+        "BambaMixer",
+        "FalconH1Mixer",
+        "GraniteMoeHybridMambaLayer",
+        "Zamba2MambaMixer",
+    }
+)
 # per model: the class names of its modules
 _module_names: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
 

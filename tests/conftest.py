@@ -143,6 +143,22 @@ def checkpoint_config(arch: str):
             num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
             **{**experts, "num_key_value_heads": 4}, **indexer,
         )  # fmt: skip
+    # Mamba-2 hybrids: shared attention blocks at Zamba 2's hybrid layers; Mamba-2 beside routed experts
+    mamba2 = {
+        "hidden_size": 64, "vocab_size": 1000, "intermediate_size": 128, "num_attention_heads": 4,
+        "mamba_d_state": 8, "mamba_expand": 2, "pad_token_id": 0,
+    }  # fmt: skip
+    if arch == "zamba2":
+        return tf.Zamba2Config(
+            **mamba2, num_hidden_layers=4, num_key_value_heads=4, n_mamba_heads=8, mamba_headdim=16,
+            mamba_ngroups=1, chunk_size=16, layers_block_type=["mamba", "hybrid"] * 2,
+        )  # fmt: skip
+    if arch == "granitemoehybrid":
+        return tf.GraniteMoeHybridConfig(
+            **mamba2, num_hidden_layers=2, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16,
+            mamba_n_groups=1, mamba_chunk_size=16, layer_types=["mamba", "attention"], num_local_experts=4,
+            num_experts_per_tok=2, shared_intermediate_size=64,
+        )  # fmt: skip
     if arch == "opt":
         return tf.OPTConfig(
             num_hidden_layers=3, num_attention_heads=4, hidden_size=128, ffn_dim=256, vocab_size=1000,

@@ -189,7 +189,7 @@ def test_the_bound_covers_what_routed_experts_hold_eagerly(arch, checkpoint_conf
             assert bound is not None and bound >= decode
 
 
-def _linear_attention(arch: str) -> torch.nn.Module:
+def _linear_attention(arch: str, checkpoint_config) -> torch.nn.Module:
     """Gated DeltaNet layers (two key heads of 32, four value heads of 32) beside full attention, or
     Mamba layers (an inner width of 256, states of 16)."""
     if arch == "jamba":  # Mamba layers beside attention, routed experts
@@ -234,6 +234,9 @@ def _linear_attention(arch: str) -> torch.nn.Module:
         )  # fmt: skip
         torch.manual_seed(0)
         return transformers.AutoModelForCausalLM.from_config(config).eval()
+    if arch in ("zamba2", "granitemoehybrid"):
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(checkpoint_config(arch)).eval()
     if arch in ("mamba", "falcon_mamba"):
         mamba = transformers.MambaConfig if arch == "mamba" else transformers.FalconMambaConfig
         torch.manual_seed(0)
@@ -258,13 +261,24 @@ def _linear_attention(arch: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize(
     "arch",
-    ["qwen3_next", "olmo_hybrid", "mamba", "falcon_mamba", "jamba", "mamba2", "nemotron_h", "falcon_h1"],
+    [
+        "qwen3_next",
+        "olmo_hybrid",
+        "mamba",
+        "falcon_mamba",
+        "jamba",
+        "mamba2",
+        "nemotron_h",
+        "falcon_h1",
+        "zamba2",
+        "granitemoehybrid",
+    ],
 )
-def test_the_bound_covers_what_linear_attention_layers_hold_eagerly(arch):
+def test_the_bound_covers_what_linear_attention_layers_hold_eagerly(arch, checkpoint_config):
     """Measured from the allocator: prompts shorter and longer than a chunk (Gated DeltaNet's 64
     positions, Mamba-2's 16 here: padded to whole chunks), a batch, and a decode step with the layers'
     states in its cache."""
-    model = _linear_attention(arch)
+    model = _linear_attention(arch, checkpoint_config)
     for batch, tokens in [(1, 3), (2, 65)]:
         ids = torch.randint(0, 1000, (batch, tokens), generator=torch.Generator().manual_seed(tokens))
         cache = transformers.DynamicCache(config=model.config)

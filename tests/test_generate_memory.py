@@ -162,6 +162,16 @@ def test_the_prediction_is_the_cache_eager_generate_leaves(config):
     """What Transformers' own cache holds at the end of a greedy generate, byte for byte, for layers of
     full attention, sliding windows, both, layers of different head sizes, layers sharing another's
     cache, chunked attention, and latent attention (its latents, and an indexed layer's indexer keys)."""
+    _assert_predicted_as_generate_leaves(config)
+
+
+@pytest.mark.parametrize("arch", ["zamba2", "granitemoehybrid"])
+def test_the_prediction_is_the_cache_of_mamba_2_hybrids(arch, checkpoint_config):
+    """Shared attention blocks at Zamba 2's hybrid layers; Mamba-2 layers beside routed experts."""
+    _assert_predicted_as_generate_leaves(checkpoint_config(arch))
+
+
+def _assert_predicted_as_generate_leaves(config) -> None:
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(1, 1000, (3, 7), generator=torch.Generator().manual_seed(0))
