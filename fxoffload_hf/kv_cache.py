@@ -8,9 +8,9 @@ the config: chunked attention is cached as a sliding window of the chunk's size,
 another layer's cache (Gemma 4's shared layers) or has no attention caches nothing. Multi-head latent attention (DeepSeek's, a ``kv_lora_rank`` in the config) caches its
 compressed latents, one head of ``kv_lora_rank`` and one of ``qk_rope_head_dim`` per position (since
 Transformers 5.25, checked; earlier versions are not predicted), and an indexed layer (DeepSeek V3.2's
-sparse attention) its indexer's keys beside them. Gated DeltaNet's and Mamba's layers keep states of a
-fixed size (``linear_attention``). Any other kind of layer (Mamba-2's states, other linear attention,
-compressed attention) is not predicted.
+sparse attention) its indexer's keys beside them. Gated DeltaNet's, Mamba's, Mamba-2's and LFM2's
+short-convolution layers keep states of a fixed size (``linear_attention``). Any other kind of layer
+(other linear attention, compressed attention) is not predicted.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ _OTHER_CACHES = ("state_size", "ssm_state_size")
 _FULL = ("full_attention", "indexed_attention")
 _WINDOWED = ("sliding_attention", "chunked_attention")
 # the layer kinds that hold no keys and values per position
-_POSITIONLESS = ("dummy", "linear_attention")
+_POSITIONLESS = ("dummy", "linear_attention", "conv")
 # the Transformers from which latent attention caches its latents (checked on 5.25.0)
 _LATENTS_CACHED = tuple(map(int, re.findall(r"\d+", version("transformers"))[:2])) >= (5, 25)
 
@@ -97,7 +97,7 @@ def _positions(
             positions.append(length)
         elif kind in _WINDOWED and isinstance(layer_kwargs.get("sliding_window"), int):
             positions.append(min(length, layer_kwargs["sliding_window"] - 1))
-        elif kind == "dummy" or (linear and kind == "linear_attention"):
+        elif kind == "dummy" or (linear and kind in ("linear_attention", "conv")):
             positions.append(0)  # a layer reading another's cache, one without attention, or linear
         else:
             return None
@@ -162,7 +162,9 @@ def predicted_cache_bytes(config: Any, batch: int, length: int, itemsize: int) -
     if positions is None or per_position is None:
         return None
     attention = batch * sum(p * b for p, b in zip(positions, per_position, strict=True))
-    linear_layers = sum(kind in ("linear_attention", "hybrid") for kind, _ in kinds or ()) if linear else 0
+    linear_layers = (
+        sum(kind in ("linear_attention", "hybrid", "conv") for kind, _ in kinds or ()) if linear else 0
+    )
     return attention + linear_layers * (linear_attention.state_bytes(text, batch, itemsize) or 0)
 
 

@@ -1,7 +1,7 @@
 """Layers Transformers caches as linear attention, from the config alone: Gated DeltaNet's (Qwen3-Next,
-Qwen3.5, OLMo hybrid, LaraMini), Mamba's (Mamba, Falcon-Mamba, Jamba) and Mamba-2's (Mamba-2,
-Nemotron-H, Bamba): the states their cache keeps, and what one such layer holds while it computes
-eagerly.
+Qwen3.5, OLMo hybrid, LaraMini), Mamba's (Mamba, Falcon-Mamba, Jamba), Mamba-2's (Mamba-2, Nemotron-H,
+Bamba, Falcon-H1, Zamba 2, Granite 4) and LFM2's short convolutions: the states their cache keeps, and
+what one such layer holds while it computes eagerly.
 
 Transformers caches such a layer as a ``LinearAttentionLayer``: its convolution's last inputs (in the
 model's dtype) and its recurrent states (in fp32, as the kernels compute them), both written in place,
@@ -31,7 +31,7 @@ from torch import nn
 
 _FP32 = 4
 # Transformers' layer types of such layers: alone, or beside attention in the same layer (Falcon-H1's)
-_KINDS = frozenset({"linear_attention", "hybrid"})
+_KINDS = frozenset({"linear_attention", "hybrid", "conv"})
 _CHUNK = 64  # torch_chunk_gated_delta_rule's chunk of positions
 # the config attributes of each family's layers, as all Transformers' models of it name them
 _GATED_DELTA_NET = (
@@ -39,6 +39,7 @@ _GATED_DELTA_NET = (
     "linear_conv_kernel_dim",
 )  # fmt: skip
 _MAMBA = ("intermediate_size", "state_size", "conv_kernel", "time_step_rank")
+_SHORT_CONV = ("hidden_size", "conv_L_cache")  # LFM2's gated short convolutions, over the hidden states
 _JAMBA = ("mamba_expand", "mamba_d_state", "mamba_d_conv", "mamba_dt_rank")  # inner width: expand x hidden
 # Mamba-2's sizes, as its families name them: heads, head size, state size, groups, kernel, chunk
 _MAMBA2 = (
@@ -85,10 +86,12 @@ def _stated(config: Any, names: tuple[str, ...]) -> list[int]:
 
 
 def _family(config: Any) -> str | None:
-    """``"gated_delta_net"``, ``"mamba2"`` or ``"mamba"`` where ``config`` (a decoder's text config)
-    describes such layers, else None."""
+    """``"gated_delta_net"``, ``"mamba2"``, ``"mamba"`` or ``"short_conv"`` where ``config`` (a decoder's
+    text config) describes such layers, else None."""
     if _sizes(config, _GATED_DELTA_NET) is not None:
         return "gated_delta_net"
+    if _sizes(config, _SHORT_CONV) is not None:
+        return "short_conv"
     if _mamba2_sizes(config) is not None:
         return "mamba2"
     if _mamba_sizes(config) is not None:
@@ -139,6 +142,9 @@ def state_bytes(config: Any, batch: int, itemsize: int) -> int | None:
     if family == "mamba":
         inner, state, kernel, _rank = _mamba_sizes(config) or (0, 0, 0, 0)
         return batch * inner * (kernel * itemsize + state * _FP32)
+    if family == "short_conv":
+        hidden, kernel = _stated(config, _SHORT_CONV)
+        return batch * hidden * kernel * itemsize  # the convolution's last inputs, no recurrent state
     if family == "mamba2":
         heads, head_dim, state, groups, kernel, _chunk = _mamba2_sizes(config) or (0, 0, 0, 0, 0, 0)
         channels = heads * head_dim + 2 * groups * state  # the convolution's: the inner states, B and C
@@ -157,13 +163,18 @@ def computing_bytes(
         _module_names[model] = frozenset(type(m).__name__ for m in model.modules())
     names = _module_names[model]
     gated = any(name.endswith("GatedDeltaNet") for name in names)
+    short_conv = any(name.endswith("ShortConv") for name in names)
     mamba, mamba2 = bool(names & _MAMBA_MIXERS), bool(names & _MAMBA2_MIXERS)
     linear = bool(_KINDS & set(_value(config, "layer_types") or ()))
-    if not (linear or gated or mamba or mamba2):
+    if not (linear or gated or short_conv or mamba or mamba2):
         return 0
     family = _family(config)
-    if [gated, mamba, mamba2].count(True) != 1:
+    if [gated, short_conv, mamba, mamba2].count(True) != 1:
         return None  # no module, or several families, the bound reads
+    if family == "short_conv" and short_conv:
+        # per position, in the model's dtype: the input projection (three widths), the gated input, the
+        # convolution's output, the gated output, its copy and projection; twice over
+        return batch * tokens * 2 * 8 * _stated(config, _SHORT_CONV)[0] * itemsize
     if family == "gated_delta_net" and gated and linear:
         return _gated_delta_net_bytes(config, batch, tokens, itemsize, stepping)
     if family == "mamba" and mamba:

@@ -159,6 +159,15 @@ def checkpoint_config(arch: str):
             mamba_n_groups=1, mamba_chunk_size=16, layer_types=["mamba", "attention"], num_local_experts=4,
             num_experts_per_tok=2, shared_intermediate_size=64,
         )  # fmt: skip
+    # LFM2's gated short convolutions beside attention (LFM3: and sliding windows)
+    if arch in ("lfm2", "lfm3"):
+        kinds = ["conv", "full_attention", "conv" if arch == "lfm2" else "sliding_attention"]
+        config_class = tf.Lfm2Config if arch == "lfm2" else tf.Lfm3Config
+        return config_class(
+            hidden_size=64, vocab_size=1000, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, layer_types=kinds, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            **({"sliding_window": 4} if arch == "lfm3" else {}),
+        )  # fmt: skip
     if arch == "opt":
         return tf.OPTConfig(
             num_hidden_layers=3, num_attention_heads=4, hidden_size=128, ffn_dim=256, vocab_size=1000,

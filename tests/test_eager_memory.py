@@ -234,7 +234,7 @@ def _linear_attention(arch: str, checkpoint_config) -> torch.nn.Module:
         )  # fmt: skip
         torch.manual_seed(0)
         return transformers.AutoModelForCausalLM.from_config(config).eval()
-    if arch in ("zamba2", "granitemoehybrid"):
+    if arch in ("zamba2", "granitemoehybrid", "lfm2", "lfm3"):
         torch.manual_seed(0)
         return transformers.AutoModelForCausalLM.from_config(checkpoint_config(arch)).eval()
     if arch in ("mamba", "falcon_mamba"):
@@ -259,21 +259,14 @@ def _linear_attention(arch: str, checkpoint_config) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.mark.parametrize(
-    "arch",
-    [
-        "qwen3_next",
-        "olmo_hybrid",
-        "mamba",
-        "falcon_mamba",
-        "jamba",
-        "mamba2",
-        "nemotron_h",
-        "falcon_h1",
-        "zamba2",
-        "granitemoehybrid",
-    ],
-)
+# Gated DeltaNet, Mamba, Mamba-2 and short convolutions, alone or beside attention (and experts)
+LINEAR_ATTENTION = [
+    "qwen3_next", "olmo_hybrid", "mamba", "falcon_mamba", "jamba", "mamba2", "nemotron_h", "falcon_h1", "zamba2",
+    "granitemoehybrid", "lfm2", "lfm3",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", LINEAR_ATTENTION)
 def test_the_bound_covers_what_linear_attention_layers_hold_eagerly(arch, checkpoint_config):
     """Measured from the allocator: prompts shorter and longer than a chunk (Gated DeltaNet's 64
     positions, Mamba-2's 16 here: padded to whole chunks), a batch, and a decode step with the layers'

@@ -165,9 +165,10 @@ def test_the_prediction_is_the_cache_eager_generate_leaves(config):
     _assert_predicted_as_generate_leaves(config)
 
 
-@pytest.mark.parametrize("arch", ["zamba2", "granitemoehybrid"])
-def test_the_prediction_is_the_cache_of_mamba_2_hybrids(arch, checkpoint_config):
-    """Shared attention blocks at Zamba 2's hybrid layers; Mamba-2 layers beside routed experts."""
+@pytest.mark.parametrize("arch", ["zamba2", "granitemoehybrid", "lfm2", "lfm3"])
+def test_the_prediction_is_the_cache_of_hybrids(arch, checkpoint_config):
+    """Shared attention blocks at Zamba 2's hybrid layers; Mamba-2 layers beside routed experts; LFM2's
+    short convolutions beside attention."""
     _assert_predicted_as_generate_leaves(checkpoint_config(arch))
 
 
