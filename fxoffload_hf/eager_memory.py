@@ -223,8 +223,10 @@ def _experts_modules(model: nn.Module) -> _Experts | None:
     devices: set[str] = set()
     every_expert = False
     for module in model.modules():
-        stacked = [p for p in module.parameters(recurse=False) if p.dim() > 2]
-        if not stacked or isinstance(module, nn.modules.conv._ConvNd):  # a convolution's kernel: no experts
+        # a bank of several matrices (not a convolution's kernel, nor a gate's parameters kept 4-D to
+        # broadcast: Kimi's forget gate's (1, 1, heads, 1))
+        stacked = [p for p in module.parameters(recurse=False) if p.dim() > 2 and p.shape[0] > 1]
+        if not stacked or isinstance(module, nn.modules.conv._ConvNd):
             continue
         config = getattr(module, "config", None)
         if type(module).__name__ in _EVERY_EXPERT:

@@ -1,7 +1,8 @@
 """Layers Transformers caches as linear attention, from the config alone: Gated DeltaNet's (Qwen3-Next,
 Qwen3.5, OLMo hybrid, LaraMini), Mamba's (Mamba, Falcon-Mamba, Jamba), Mamba-2's (Mamba-2, Nemotron-H,
-Bamba, Falcon-H1, Zamba 2, Granite 4) and LFM2's short convolutions: the states their cache keeps, and
-what one such layer holds while it computes eagerly.
+Bamba, Falcon-H1, Zamba 2, Granite 4), Kimi's delta attention (Kimi Linear, Bailing hybrid) and LFM2's
+short convolutions: the states their cache keeps, and what one such layer holds while it computes
+eagerly.
 
 Transformers caches such a layer as a ``LinearAttentionLayer``: its convolution's last inputs (in the
 model's dtype) and its recurrent states (in fp32, as the kernels compute them), both written in place,
@@ -13,13 +14,16 @@ whatever the length. Without the ``fla`` or ``mamba_ssm`` kernels (the CPU) its 
 - Mamba: a prompt in ``mamba_selective_scan``'s loop (the discretised state matrices of every position,
   ``intermediate_size`` x ``state_size`` each in fp32, before the scan runs through them), a decode step in
   ``mamba_selective_state_update`` (a few copies of the state);
+- Kimi's delta attention: a prompt in ``chunk_kimi_delta_attention``, whose chunks decay every key
+  channel apart (a chunk x head size matrix per position and head), a decode step in
+  ``recurrent_kimi_delta_attention``;
 - Mamba-2: a prompt in ``mamba2_chunk_scan`` (padded to whole chunks of ``chunk_size``, in fp32, with each
   chunk's segment sums and products per position and head, and every head's state per chunk), a decode
   step in ``mamba2_selective_state_update``.
 
 The bound here counts them generously, for the layer that holds the most (layers compute one after
-another). Other linear attention (Lightning attention, KDA, layers of attention and a scan side by side)
-is not read.
+another). Other linear attention (Lightning attention, RG-LRU, RWKV, xLSTM, Zamba's multi-head Mamba) is
+not read.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ _GATED_DELTA_NET = (
 )  # fmt: skip
 _MAMBA = ("intermediate_size", "state_size", "conv_kernel", "time_step_rank")
 _SHORT_CONV = ("hidden_size", "conv_L_cache")  # LFM2's gated short convolutions, over the hidden states
+_KDA = ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim")  # Kimi's delta attention
 _JAMBA = ("mamba_expand", "mamba_d_state", "mamba_d_conv", "mamba_dt_rank")  # inner width: expand x hidden
 # Mamba-2's sizes, as its families name them: heads, head size, state size, groups, kernel, chunk
 _MAMBA2 = (
@@ -92,6 +97,8 @@ def _family(config: Any) -> str | None:
         return "gated_delta_net"
     if _sizes(config, _SHORT_CONV) is not None:
         return "short_conv"
+    if _sizes(config, _KDA) is not None:
+        return "kda"
     if _mamba2_sizes(config) is not None:
         return "mamba2"
     if _mamba_sizes(config) is not None:
@@ -142,6 +149,10 @@ def state_bytes(config: Any, batch: int, itemsize: int) -> int | None:
     if family == "mamba":
         inner, state, kernel, _rank = _mamba_sizes(config) or (0, 0, 0, 0)
         return batch * inner * (kernel * itemsize + state * _FP32)
+    if family == "kda":
+        heads, head_dim, kernel = _stated(config, _KDA)
+        channels = 3 * heads * head_dim  # the convolutions': queries, keys and values
+        return batch * (channels * kernel * itemsize + heads * head_dim * head_dim * _FP32)
     if family == "short_conv":
         hidden, kernel = _stated(config, _SHORT_CONV)
         return batch * hidden * kernel * itemsize  # the convolution's last inputs, no recurrent state
@@ -164,13 +175,16 @@ def computing_bytes(
     names = _module_names[model]
     gated = any(name.endswith("GatedDeltaNet") for name in names)
     short_conv = any(name.endswith("ShortConv") for name in names)
+    kda = any(name.endswith("DeltaAttention") for name in names)
     mamba, mamba2 = bool(names & _MAMBA_MIXERS), bool(names & _MAMBA2_MIXERS)
     linear = bool(_KINDS & set(_value(config, "layer_types") or ()))
-    if not (linear or gated or short_conv or mamba or mamba2):
+    if not (linear or gated or short_conv or kda or mamba or mamba2):
         return 0
     family = _family(config)
-    if [gated, short_conv, mamba, mamba2].count(True) != 1:
+    if [gated, short_conv, kda, mamba, mamba2].count(True) != 1:
         return None  # no module, or several families, the bound reads
+    if family == "kda" and kda:
+        return _kda_bytes(config, batch, tokens, itemsize, stepping)
     if family == "short_conv" and short_conv:
         # per position, in the model's dtype: the input projection (three widths), the gated input, the
         # convolution's output, the gated output, its copy and projection; twice over
@@ -231,3 +245,20 @@ def _mamba2_bytes(config: Any, batch: int, tokens: int, itemsize: int, stepping:
     scanned = padded * heads * (12 * head_dim + 8 * state + 8 * chunk) * _FP32
     per_chunk = 4 * (padded // chunk + 1) * heads * head_dim * state * _FP32
     return batch * (tokens * projected + scanned + per_chunk + states)
+
+
+def _kda_bytes(config: Any, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
+    heads, head_dim, _kernel = _stated(config, _KDA)
+    width = heads * head_dim
+    # per position, in the model's dtype: the projections of queries, keys and values, their convolutions'
+    # outputs and activations, the decay's and gate's projections, the gated norm; twice over
+    projected = 2 * 16 * width * itemsize
+    states = 5 * heads * head_dim * head_dim * _FP32  # the state, and the copies an update makes
+    if stepping:
+        return batch * (tokens * (projected + 16 * width * _FP32) + states)
+    # a prompt's chunks, in fp32, per padded position and head: a dozen copies of its query, key, value and
+    # decay, and the chunk's decays per key channel (chunk x head size: the decay mask, the products of
+    # keys with it, the intra-chunk attention in the loop) besides its triangular system
+    padded = -(-tokens // _CHUNK) * _CHUNK
+    per_head = 16 * head_dim + 4 * _CHUNK * head_dim + 4 * _CHUNK
+    return batch * (tokens * projected + (padded * heads * per_head) * _FP32 + states)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -168,6 +169,12 @@ def checkpoint_config(arch: str):
             intermediate_size=128, layer_types=kinds, pad_token_id=0, bos_token_id=1, eos_token_id=2,
             **({"sliding_window": 4} if arch == "lfm3" else {}),
         )  # fmt: skip
+    # Kimi's delta attention beside latent attention and routed experts: the coverage sweep's tiny configs
+    if arch in ("kimi_linear", "bailing_hybrid"):
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+        from harness.shrink import shrink_config
+
+        return shrink_config(tf.CONFIG_MAPPING[arch]())
     if arch == "opt":
         return tf.OPTConfig(
             num_hidden_layers=3, num_attention_heads=4, hidden_size=128, ffn_dim=256, vocab_size=1000,

@@ -234,7 +234,7 @@ def _linear_attention(arch: str, checkpoint_config) -> torch.nn.Module:
         )  # fmt: skip
         torch.manual_seed(0)
         return transformers.AutoModelForCausalLM.from_config(config).eval()
-    if arch in ("zamba2", "granitemoehybrid", "lfm2", "lfm3"):
+    if arch in ("zamba2", "granitemoehybrid", "lfm2", "lfm3", "kimi_linear", "bailing_hybrid"):
         torch.manual_seed(0)
         return transformers.AutoModelForCausalLM.from_config(checkpoint_config(arch)).eval()
     if arch in ("mamba", "falcon_mamba"):
@@ -259,10 +259,11 @@ def _linear_attention(arch: str, checkpoint_config) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-# Gated DeltaNet, Mamba, Mamba-2 and short convolutions, alone or beside attention (and experts)
+# Gated DeltaNet, Mamba, Mamba-2, Kimi's delta attention and short convolutions, alone or beside
+# attention (and experts)
 LINEAR_ATTENTION = [
     "qwen3_next", "olmo_hybrid", "mamba", "falcon_mamba", "jamba", "mamba2", "nemotron_h", "falcon_h1", "zamba2",
-    "granitemoehybrid", "lfm2", "lfm3",
+    "granitemoehybrid", "lfm2", "lfm3", "kimi_linear", "bailing_hybrid",
 ]  # fmt: skip
 
 

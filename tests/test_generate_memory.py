@@ -165,10 +165,12 @@ def test_the_prediction_is_the_cache_eager_generate_leaves(config):
     _assert_predicted_as_generate_leaves(config)
 
 
-@pytest.mark.parametrize("arch", ["zamba2", "granitemoehybrid", "lfm2", "lfm3"])
+@pytest.mark.parametrize(
+    "arch", ["zamba2", "granitemoehybrid", "lfm2", "lfm3", "kimi_linear", "bailing_hybrid"]
+)
 def test_the_prediction_is_the_cache_of_hybrids(arch, checkpoint_config):
     """Shared attention blocks at Zamba 2's hybrid layers; Mamba-2 layers beside routed experts; LFM2's
-    short convolutions beside attention."""
+    short convolutions beside attention; Kimi's delta attention beside latent attention."""
     _assert_predicted_as_generate_leaves(checkpoint_config(arch))
 
 
