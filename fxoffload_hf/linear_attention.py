@@ -29,44 +29,33 @@ not read.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 _FP32 = 4
-# Transformers' layer types of such layers: alone, or beside attention in the same layer (Falcon-H1's)
+# Transformers' layer types of such layers: alone, beside attention in the same layer (Falcon-H1's), or
+# a short convolution
 _KINDS = frozenset({"linear_attention", "hybrid", "conv"})
-_CHUNK = 64  # torch_chunk_gated_delta_rule's chunk of positions
-# the config attributes of each family's layers, as all Transformers' models of it name them
-_GATED_DELTA_NET = (
-    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-    "linear_conv_kernel_dim",
-)  # fmt: skip
-_MAMBA = ("intermediate_size", "state_size", "conv_kernel", "time_step_rank")
-_SHORT_CONV = ("hidden_size", "conv_L_cache")  # LFM2's gated short convolutions, over the hidden states
-_KDA = ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim")  # Kimi's delta attention
-_JAMBA = ("mamba_expand", "mamba_d_state", "mamba_d_conv", "mamba_dt_rank")  # inner width: expand x hidden
-# Mamba-2's sizes, as its families name them: heads, head size, state size, groups, kernel, chunk
-_MAMBA2 = (
-    ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "chunk_size"),  # Mamba-2
-    ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel", "chunk_size"),  # Nemotron-H
-    ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_chunk_size"),  # Bamba
-    ("n_mamba_heads", "mamba_headdim", "mamba_d_state", "mamba_ngroups", "mamba_d_conv", "chunk_size"),  # Zamba 2
-)  # fmt: skip
-# the modules whose torch code the bound reads, by family
-_MAMBA_MIXERS = frozenset({"MambaMixer", "FalconMambaMixer", "JambaMambaMixer"})
-_MAMBA2_MIXERS = frozenset(
-    {
-        "Mamba2Mixer",
-        "NemotronHMamba2Mixer",
-        "BambaMixer",
-        "FalconH1Mixer",
-        "GraniteMoeHybridMambaLayer",
-        "Zamba2MambaMixer",
-    }
-)
+_CHUNK = 64  # the delta rules' chunk of positions (Gated DeltaNet's, Kimi's)
 # per model: the class names of its modules
 _module_names: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
+
+Sizes = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Family:
+    """One family of layers: its sizes from a config (None where the config does not state them), whether
+    a module's class is one of its layers, its cache's bytes (sizes, batch, itemsize) and what one layer
+    holds computing (sizes, batch, tokens, itemsize, stepping)."""
+
+    sizes: Callable[[Any], Sizes | None]
+    is_layer: Callable[[str], bool]
+    state: Callable[[Sizes, int, int], int]
+    computing: Callable[[Sizes, int, int, int, bool], int]
 
 
 def _value(config: Any, name: str) -> Any:
@@ -77,129 +66,35 @@ def _value(config: Any, name: str) -> Any:
         return None
 
 
-def _sizes(config: Any, names: tuple[str, ...]) -> list[int] | None:
-    values = [_value(config, name) for name in names]
-    numbers = [v for v in values if isinstance(v, int) and v > 0]
-    return numbers if len(numbers) == len(values) else None
+def _named(*names: str) -> Callable[[Any], Sizes | None]:
+    """Sizes read from the config attributes ``names`` (all positive integers, else None)."""
+
+    def read(config: Any) -> Sizes | None:
+        values = [_value(config, name) for name in names]
+        numbers = tuple(v for v in values if isinstance(v, int) and v > 0)
+        return numbers if len(numbers) == len(values) else None
+
+    return read
 
 
-def _stated(config: Any, names: tuple[str, ...]) -> list[int]:
-    """The sizes of a family ``_family`` found."""
-    sizes = _sizes(config, names)
-    assert sizes is not None
-    return sizes
+def _first(*readers: Callable[[Any], Sizes | None]) -> Callable[[Any], Sizes | None]:
+    """The sizes the first of ``readers`` finds (a family whose models name them differently)."""
+
+    def read(config: Any) -> Sizes | None:
+        return next((sizes for r in readers if (sizes := r(config)) is not None), None)
+
+    return read
 
 
-def _family(config: Any) -> str | None:
-    """``"gated_delta_net"``, ``"mamba2"``, ``"mamba"`` or ``"short_conv"`` where ``config`` (a decoder's
-    text config) describes such layers, else None."""
-    if _sizes(config, _GATED_DELTA_NET) is not None:
-        return "gated_delta_net"
-    if _sizes(config, _SHORT_CONV) is not None:
-        return "short_conv"
-    if _sizes(config, _KDA) is not None:
-        return "kda"
-    if _mamba2_sizes(config) is not None:
-        return "mamba2"
-    if _mamba_sizes(config) is not None:
-        return "mamba"
-    return None
+# Gated DeltaNet: key heads, value heads, key and value head sizes, kernel
+def _gated_delta_net_state(sizes: Sizes, batch: int, itemsize: int) -> int:
+    k_heads, v_heads, k_dim, v_dim, kernel = sizes
+    channels = 2 * k_heads * k_dim + v_heads * v_dim  # the convolution's: queries, keys and values
+    return batch * (channels * kernel * itemsize + v_heads * k_dim * v_dim * _FP32)
 
 
-def _mamba2_sizes(config: Any) -> tuple[int, int, int, int, int, int] | None:
-    """A Mamba-2 layer's heads, head size, state size, groups, convolution kernel and chunk (``_MAMBA2``'s
-    names); None where not stated."""
-    for names in _MAMBA2:
-        sizes = _sizes(config, names)
-        if sizes is not None:
-            heads, head_dim, state, groups, kernel, chunk = sizes
-            return heads, head_dim, state, groups, kernel, chunk
-    return None
-
-
-def _mamba_sizes(config: Any) -> tuple[int, int, int, int] | None:
-    """A Mamba layer's inner width, state size, convolution kernel and time-step rank (Mamba's and
-    Falcon-Mamba's names, or Jamba's); None where not stated, or for Mamba-2 (its groups of heads)."""
-    if any(_value(config, name) is not None for name in ("n_groups", "n_mamba_heads")):
-        return None  # Mamba-2's groups, Zamba's heads
-    mamba = _sizes(config, _MAMBA)
-    if mamba is not None:
-        inner, state, kernel, rank = mamba
-        return inner, state, kernel, rank
-    jamba = _sizes(config, (*_JAMBA, "hidden_size"))
-    if jamba is not None:
-        expand, state, kernel, rank, hidden = jamba
-        return expand * hidden, state, kernel, rank
-    return None
-
-
-def is_read(config: Any) -> bool:
-    """Whether ``config``'s linear-attention layers are of a family this module sizes."""
-    return _family(config) is not None
-
-
-def state_bytes(config: Any, batch: int, itemsize: int) -> int | None:
-    """Bytes one linear-attention layer's cache keeps for ``batch`` sequences (its convolution's inputs and
-    its recurrent states), at any length; None where the config describes no family read here."""
-    family = _family(config)
-    if family == "gated_delta_net":
-        k_heads, v_heads, k_dim, v_dim, kernel = _stated(config, _GATED_DELTA_NET)
-        channels = 2 * k_heads * k_dim + v_heads * v_dim  # the convolution's: queries, keys and values
-        return batch * (channels * kernel * itemsize + v_heads * k_dim * v_dim * _FP32)
-    if family == "mamba":
-        inner, state, kernel, _rank = _mamba_sizes(config) or (0, 0, 0, 0)
-        return batch * inner * (kernel * itemsize + state * _FP32)
-    if family == "kda":
-        heads, head_dim, kernel = _stated(config, _KDA)
-        channels = 3 * heads * head_dim  # the convolutions': queries, keys and values
-        return batch * (channels * kernel * itemsize + heads * head_dim * head_dim * _FP32)
-    if family == "short_conv":
-        hidden, kernel = _stated(config, _SHORT_CONV)
-        return batch * hidden * kernel * itemsize  # the convolution's last inputs, no recurrent state
-    if family == "mamba2":
-        heads, head_dim, state, groups, kernel, _chunk = _mamba2_sizes(config) or (0, 0, 0, 0, 0, 0)
-        channels = heads * head_dim + 2 * groups * state  # the convolution's: the inner states, B and C
-        return batch * (channels * kernel * itemsize + heads * head_dim * state * _FP32)
-    return None
-
-
-def computing_bytes(
-    model: nn.Module, config: Any, batch: int, tokens: int, itemsize: int, stepping: bool
-) -> int | None:
-    """What one linear-attention layer of ``model`` holds at most while it computes ``tokens`` positions
-    of ``batch`` sequences eagerly, beside the model's dense per-token states (``stepping``: one position
-    after cached ones, which the recurrent rule computes): 0 where the model has no such layer, None where
-    its layers are not of a family and modules read here."""
-    if model not in _module_names:
-        _module_names[model] = frozenset(type(m).__name__ for m in model.modules())
-    names = _module_names[model]
-    gated = any(name.endswith("GatedDeltaNet") for name in names)
-    short_conv = any(name.endswith("ShortConv") for name in names)
-    kda = any(name.endswith("DeltaAttention") for name in names)
-    mamba, mamba2 = bool(names & _MAMBA_MIXERS), bool(names & _MAMBA2_MIXERS)
-    linear = bool(_KINDS & set(_value(config, "layer_types") or ()))
-    if not (linear or gated or short_conv or kda or mamba or mamba2):
-        return 0
-    family = _family(config)
-    if [gated, short_conv, kda, mamba, mamba2].count(True) != 1:
-        return None  # no module, or several families, the bound reads
-    if family == "kda" and kda:
-        return _kda_bytes(config, batch, tokens, itemsize, stepping)
-    if family == "short_conv" and short_conv:
-        # per position, in the model's dtype: the input projection (three widths), the gated input, the
-        # convolution's output, the gated output, its copy and projection; twice over
-        return batch * tokens * 2 * 8 * _stated(config, _SHORT_CONV)[0] * itemsize
-    if family == "gated_delta_net" and gated and linear:
-        return _gated_delta_net_bytes(config, batch, tokens, itemsize, stepping)
-    if family == "mamba" and mamba:
-        return _mamba_bytes(config, batch, tokens, itemsize, stepping)
-    if family == "mamba2" and mamba2:
-        return _mamba2_bytes(config, batch, tokens, itemsize, stepping)
-    return None
-
-
-def _gated_delta_net_bytes(config: Any, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
-    k_heads, v_heads, k_dim, v_dim, _kernel = _stated(config, _GATED_DELTA_NET)
+def _gated_delta_net_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
+    k_heads, v_heads, k_dim, v_dim, _kernel = sizes
     key_width, value_width = k_heads * k_dim, v_heads * v_dim
     # in the model's dtype, per position: the projections of queries, keys, values and gates, the
     # convolution's input, output and activation, queries and keys repeated to every value head, the
@@ -216,8 +111,65 @@ def _gated_delta_net_bytes(config: Any, batch: int, tokens: int, itemsize: int, 
     return batch * (tokens * projected * itemsize + (padded * v_heads * per_head + states) * _FP32)
 
 
-def _mamba_bytes(config: Any, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
-    inner, state, _kernel, rank = _mamba_sizes(config) or (0, 0, 0, 0)
+# Kimi's delta attention: heads, head size, kernel
+def _kda_state(sizes: Sizes, batch: int, itemsize: int) -> int:
+    heads, head_dim, kernel = sizes
+    channels = 3 * heads * head_dim  # the convolutions': queries, keys and values
+    return batch * (channels * kernel * itemsize + heads * head_dim * head_dim * _FP32)
+
+
+def _kda_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
+    heads, head_dim, _kernel = sizes
+    width = heads * head_dim
+    # per position, in the model's dtype: the projections of queries, keys and values, their convolutions'
+    # outputs and activations, the decay's and gate's projections, the gated norm; twice over
+    projected = 2 * 16 * width * itemsize
+    states = 5 * heads * head_dim * head_dim * _FP32  # the state, and the copies an update makes
+    if stepping:
+        return batch * (tokens * (projected + 16 * width * _FP32) + states)
+    # a prompt's chunks, in fp32, per padded position and head: a dozen copies of its query, key, value and
+    # decay, and the chunk's decays per key channel (chunk x head size: the decay mask, the products of
+    # keys with it, the intra-chunk attention in the loop) besides its triangular system
+    padded = -(-tokens // _CHUNK) * _CHUNK
+    per_head = 16 * head_dim + 4 * _CHUNK * head_dim + 4 * _CHUNK
+    return batch * (tokens * projected + padded * heads * per_head * _FP32 + states)
+
+
+# LFM2's gated short convolutions over the hidden states: hidden size, kernel
+def _short_conv_state(sizes: Sizes, batch: int, itemsize: int) -> int:
+    hidden, kernel = sizes
+    return batch * hidden * kernel * itemsize  # the convolution's last inputs, no recurrent state
+
+
+def _short_conv_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
+    # per position, in the model's dtype: the input projection (three widths), the gated input, the
+    # convolution's output, the gated output, its copy and projection; twice over
+    return batch * tokens * 2 * 8 * sizes[0] * itemsize
+
+
+# Mamba: inner width, state size, kernel, time-step rank
+def _mamba_sizes(config: Any) -> Sizes | None:
+    """Mamba's and Falcon-Mamba's names, or Jamba's (inner width: expand x hidden); None for Mamba-2's
+    groups of heads and Zamba's heads."""
+    if any(_value(config, name) is not None for name in ("n_groups", "n_mamba_heads")):
+        return None
+    mamba = _named("intermediate_size", "state_size", "conv_kernel", "time_step_rank")(config)
+    if mamba is not None:
+        return mamba
+    jamba = _named("mamba_expand", "mamba_d_state", "mamba_d_conv", "mamba_dt_rank", "hidden_size")(config)
+    if jamba is None:
+        return None
+    expand, state, kernel, rank, hidden = jamba
+    return expand * hidden, state, kernel, rank
+
+
+def _mamba_state(sizes: Sizes, batch: int, itemsize: int) -> int:
+    inner, state, kernel, _rank = sizes
+    return batch * inner * (kernel * itemsize + state * _FP32)
+
+
+def _mamba_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
+    inner, state, _kernel, rank = sizes
     # per position, in the model's dtype: the input projection (twice the inner width), the convolution's
     # input, output and activation, the time step and its projection, the scan's output and gate; twice
     projected = 2 * (10 * inner + 2 * (rank + 2 * state)) * itemsize
@@ -228,8 +180,15 @@ def _mamba_bytes(config: Any, batch: int, tokens: int, itemsize: int, stepping: 
     return batch * (tokens * (projected + (0 if stepping else scanned)) + states)
 
 
-def _mamba2_bytes(config: Any, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
-    heads, head_dim, state, groups, _kernel, chunk = _mamba2_sizes(config) or (0, 0, 0, 0, 0, 0)
+# Mamba-2: heads, head size, state size, groups, kernel, chunk
+def _mamba2_state(sizes: Sizes, batch: int, itemsize: int) -> int:
+    heads, head_dim, state, groups, kernel, _chunk = sizes
+    channels = heads * head_dim + 2 * groups * state  # the convolution's: the inner states, B and C
+    return batch * (channels * kernel * itemsize + heads * head_dim * state * _FP32)
+
+
+def _mamba2_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
+    heads, head_dim, state, groups, _kernel, chunk = sizes
     inner, channels = heads * head_dim, heads * head_dim + 2 * groups * state
     # per position, in the model's dtype: the input projection (gate, convolution's input, time steps),
     # the convolution's output and activation, the gated norm and its output; twice over
@@ -247,18 +206,85 @@ def _mamba2_bytes(config: Any, batch: int, tokens: int, itemsize: int, stepping:
     return batch * (tokens * projected + scanned + per_chunk + states)
 
 
-def _kda_bytes(config: Any, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
-    heads, head_dim, _kernel = _stated(config, _KDA)
-    width = heads * head_dim
-    # per position, in the model's dtype: the projections of queries, keys and values, their convolutions'
-    # outputs and activations, the decay's and gate's projections, the gated norm; twice over
-    projected = 2 * 16 * width * itemsize
-    states = 5 * heads * head_dim * head_dim * _FP32  # the state, and the copies an update makes
-    if stepping:
-        return batch * (tokens * (projected + 16 * width * _FP32) + states)
-    # a prompt's chunks, in fp32, per padded position and head: a dozen copies of its query, key, value and
-    # decay, and the chunk's decays per key channel (chunk x head size: the decay mask, the products of
-    # keys with it, the intra-chunk attention in the loop) besides its triangular system
-    padded = -(-tokens // _CHUNK) * _CHUNK
-    per_head = 16 * head_dim + 4 * _CHUNK * head_dim + 4 * _CHUNK
-    return batch * (tokens * projected + (padded * heads * per_head) * _FP32 + states)
+# the config attributes each family's models name their sizes by
+_GATED_DELTA_NET = (
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)  # fmt: skip
+_MAMBA2 = (
+    ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "chunk_size"),  # Mamba-2
+    ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel", "chunk_size"),  # Nemotron-H
+    ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_chunk_size"),  # Bamba
+    ("n_mamba_heads", "mamba_headdim", "mamba_d_state", "mamba_ngroups", "mamba_d_conv", "chunk_size"),  # Zamba 2
+)  # fmt: skip
+# the modules whose torch code is read, where their names share no ending
+_MAMBA_MIXERS = frozenset({"MambaMixer", "FalconMambaMixer", "JambaMambaMixer"})
+_MAMBA2_MIXERS = frozenset({
+    "Mamba2Mixer", "NemotronHMamba2Mixer", "BambaMixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer",
+    "Zamba2MambaMixer",
+})  # fmt: skip
+# the families, in the order their sizes are read (the first a config states is its)
+_FAMILIES = (
+    _Family(
+        _named(*_GATED_DELTA_NET),
+        lambda name: name.endswith("GatedDeltaNet"),
+        _gated_delta_net_state,
+        _gated_delta_net_computing,
+    ),
+    _Family(
+        _named("hidden_size", "conv_L_cache"),
+        lambda name: name.endswith("ShortConv"),
+        _short_conv_state,
+        _short_conv_computing,
+    ),
+    _Family(
+        _named("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"),
+        lambda name: name.endswith("DeltaAttention"),
+        _kda_state,
+        _kda_computing,
+    ),
+    _Family(
+        _first(*(_named(*names) for names in _MAMBA2)),
+        lambda name: name in _MAMBA2_MIXERS,
+        _mamba2_state,
+        _mamba2_computing,
+    ),
+    _Family(_mamba_sizes, lambda name: name in _MAMBA_MIXERS, _mamba_state, _mamba_computing),
+)
+
+
+def _family(config: Any) -> tuple[_Family, Sizes] | None:
+    """The family ``config`` (a decoder's text config) states the sizes of, and those sizes."""
+    return next(((f, sizes) for f in _FAMILIES if (sizes := f.sizes(config)) is not None), None)
+
+
+def is_read(config: Any) -> bool:
+    """Whether ``config``'s linear-attention layers are of a family this module sizes."""
+    return _family(config) is not None
+
+
+def state_bytes(config: Any, batch: int, itemsize: int) -> int | None:
+    """Bytes one linear-attention layer's cache keeps for ``batch`` sequences (its convolution's inputs and
+    its recurrent states), at any length; None where the config describes no family read here."""
+    found = _family(config)
+    return None if found is None else found[0].state(found[1], batch, itemsize)
+
+
+def computing_bytes(
+    model: nn.Module, config: Any, batch: int, tokens: int, itemsize: int, stepping: bool
+) -> int | None:
+    """What one linear-attention layer of ``model`` holds at most while it computes ``tokens`` positions
+    of ``batch`` sequences eagerly, beside the model's dense per-token states (``stepping``: one position
+    after cached ones, which the recurrent rule computes): 0 where the model has no such layer, None where
+    its layers are not of one family whose config and modules are read here."""
+    if model not in _module_names:
+        _module_names[model] = frozenset(type(m).__name__ for m in model.modules())
+    present = [f for f in _FAMILIES if any(f.is_layer(name) for name in _module_names[model])]
+    linear = bool(_KINDS & set(_value(config, "layer_types") or ()))
+    if not (linear or present):
+        return 0
+    found = _family(config)
+    if not linear or found is None or present != [found[0]]:
+        return None  # its layers' modules, or several families', are not those its config sizes
+    family, sizes = found
+    return family.computing(sizes, batch, tokens, itemsize, stepping)
