@@ -177,16 +177,22 @@ def test_the_bound_covers_what_routed_experts_hold_eagerly(arch, checkpoint_conf
         model = _moe(arch, checkpoint_config)
         model.config._experts_implementation = implementation
         for tokens in (1, 33):
-            ids = torch.randint(0, 1000, (2, tokens), generator=torch.Generator().manual_seed(tokens))
-            cache = transformers.DynamicCache(config=model.config)
-            step = {"input_ids": ids[:, -1:], "cache": cache}
-            with torch.no_grad():
-                prefill = _eager_peak(model, ids, cache=cache)
-                bound = eager_call_bytes(model, (), step)
-                decode = _eager_peak(model, **step)
-            first = eager_call_bytes(model, (ids,), {})
-            assert first is not None and first >= prefill
-            assert bound is not None and bound >= decode
+            _assert_bounds_cover_prefill_and_step(model, 2, tokens)
+
+
+def _assert_bounds_cover_prefill_and_step(model: torch.nn.Module, batch: int, tokens: int) -> None:
+    """The bound of a prefill of ``batch`` x ``tokens`` positions, and of the decode step after it (given
+    the cache it filled), are at least what the allocator's peak shows each hold."""
+    ids = torch.randint(0, 1000, (batch, tokens), generator=torch.Generator().manual_seed(tokens))
+    cache = transformers.DynamicCache(config=model.config)
+    step = {"input_ids": ids[:, -1:], "cache": cache}
+    with torch.no_grad():
+        prefill = _eager_peak(model, ids, cache=cache)
+        bound = eager_call_bytes(model, (), step)
+        decode = _eager_peak(model, **step)
+    first = eager_call_bytes(model, (ids,), {})
+    assert first is not None and first >= prefill
+    assert bound is not None and bound >= decode
 
 
 def _linear_attention(arch: str, checkpoint_config) -> torch.nn.Module:
@@ -274,13 +280,4 @@ def test_the_bound_covers_what_linear_attention_layers_hold_eagerly(arch, checkp
     states in its cache."""
     model = _linear_attention(arch, checkpoint_config)
     for batch, tokens in [(1, 3), (2, 65)]:
-        ids = torch.randint(0, 1000, (batch, tokens), generator=torch.Generator().manual_seed(tokens))
-        cache = transformers.DynamicCache(config=model.config)
-        step = {"input_ids": ids[:, -1:], "cache": cache}
-        with torch.no_grad():
-            prefill = _eager_peak(model, ids, cache=cache)
-            bound = eager_call_bytes(model, (), step)
-            decode = _eager_peak(model, **step)
-        first = eager_call_bytes(model, (ids,), {})
-        assert first is not None and first >= prefill
-        assert bound is not None and bound >= decode
+        _assert_bounds_cover_prefill_and_step(model, batch, tokens)
