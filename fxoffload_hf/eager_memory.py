@@ -10,15 +10,17 @@ the output head's logits at the kept positions (in fp32, twice: Transformers upc
 counts all of it generously: it gates, it does not plan, and a bound too high only costs a call the wait
 for capture. Only where every layer is an attention layer whose cache ``kv_cache`` predicts (keys and
 values per head, or latent attention's latents, expanded to every head's keys and values in each
-layer's call) or a Gated DeltaNet or Mamba layer (``linear_attention``): other state-space scans and
-linear attention hold states no config bound sees.
+layer's call) or a linear-attention layer of a family ``linear_attention`` reads (Gated DeltaNet, Mamba,
+Mamba-2, Kimi's delta attention, short convolutions): other scans and recurrences hold states no config
+bound sees.
 
 Routed experts add, per token and expert it is routed to, the token's states and its expert's
 intermediate states, and the router's logits over all experts; only where their eager code
 computes on views of the stacked expert weights: Transformers' experts modules with the ``eager`` or
 ``grouped_mm`` implementation on the CPU (measured: ``batched_mm`` gathers a copy of an expert's weights
-for every routed token), and Llama 4's own, which runs every token through every expert. A call it cannot read (no config, inputs other than token ids, other layers than
-attention, experts outside those) has no bound, and is captured.
+for every routed token), and Llama 4's own, which runs every token through every expert. A call it
+cannot read (no config, inputs other than token ids, layers other than those, experts outside those) has
+no bound, and is captured.
 """
 
 from __future__ import annotations

@@ -5,12 +5,13 @@ Transformers builds a ``DynamicCache`` of one layer cache per decoder layer, of 
 position, a sliding-window layer those of the last ``sliding_window - 1`` positions. ``cache_positions``
 reads the same layer types through that function, so the prediction follows Transformers' own reading of
 the config: chunked attention is cached as a sliding window of the chunk's size, and a layer that reads
-another layer's cache (Gemma 4's shared layers) or has no attention caches nothing. Multi-head latent attention (DeepSeek's, a ``kv_lora_rank`` in the config) caches its
-compressed latents, one head of ``kv_lora_rank`` and one of ``qk_rope_head_dim`` per position (since
-Transformers 5.25, checked; earlier versions are not predicted), and an indexed layer (DeepSeek V3.2's
-sparse attention) its indexer's keys beside them. Gated DeltaNet's, Mamba's, Mamba-2's and LFM2's
-short-convolution layers keep states of a fixed size (``linear_attention``). Any other kind of layer
-(other linear attention, compressed attention) is not predicted.
+another layer's cache (Gemma 4's shared layers) or has no attention caches nothing. Multi-head latent
+attention (DeepSeek's, a ``kv_lora_rank`` in the config) caches its compressed latents, one head of
+``kv_lora_rank`` and one of ``qk_rope_head_dim`` per position (since Transformers 5.25, checked; earlier
+versions are not predicted), and an indexed layer (DeepSeek V3.2's sparse attention) its indexer's keys
+beside them. Linear-attention layers of the families ``linear_attention`` reads keep states of a fixed
+size (a hybrid layer beside keys and values of every position). Any other kind of layer (other linear
+attention, compressed attention) is not predicted.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ _OTHER_CACHES = ("state_size", "ssm_state_size")
 _FULL = ("full_attention", "indexed_attention")
 _WINDOWED = ("sliding_attention", "chunked_attention")
 # the layer kinds that hold no keys and values per position
-_POSITIONLESS = ("dummy", "linear_attention", "conv")
+_POSITIONLESS = frozenset({"dummy", "linear_attention", "conv"})
 # the Transformers from which latent attention caches its latents (checked on 5.25.0)
 _LATENTS_CACHED = tuple(map(int, re.findall(r"\d+", version("transformers"))[:2])) >= (5, 25)
 
@@ -93,11 +94,11 @@ def _positions(
         return None
     positions = []
     for kind, layer_kwargs in kinds:
-        if kind in full or (linear and kind == "hybrid"):  # a hybrid: a linear layer's states beside
+        if kind in full or (linear and kind == "hybrid"):  # a hybrid: full attention beside its states
             positions.append(length)
         elif kind in _WINDOWED and isinstance(layer_kwargs.get("sliding_window"), int):
             positions.append(min(length, layer_kwargs["sliding_window"] - 1))
-        elif kind == "dummy" or (linear and kind in ("linear_attention", "conv")):
+        elif kind == "dummy" or (linear and kind in linear_attention.KINDS):
             positions.append(0)  # a layer reading another's cache, one without attention, or linear
         else:
             return None
@@ -153,7 +154,7 @@ def _per_layer_position_bytes(
 
 def predicted_cache_bytes(config: Any, batch: int, length: int, itemsize: int) -> int | None:
     """Bytes of the cache of ``batch`` sequences after ``length`` tokens (latent attention's latents,
-    indexed layers' indexer keys and Gated DeltaNet layers' states too); None where not predicted."""
+    indexed layers' indexer keys and linear-attention layers' states too); None where not predicted."""
     text = text_config(config)
     kinds = _layer_kinds(text)  # read once: Transformers builds every layer's kind from the config
     linear = linear_attention.is_read(text)
@@ -162,9 +163,7 @@ def predicted_cache_bytes(config: Any, batch: int, length: int, itemsize: int) -
     if positions is None or per_position is None:
         return None
     attention = batch * sum(p * b for p, b in zip(positions, per_position, strict=True))
-    linear_layers = (
-        sum(kind in ("linear_attention", "hybrid", "conv") for kind, _ in kinds or ()) if linear else 0
-    )
+    linear_layers = sum(kind in linear_attention.KINDS for kind, _ in kinds or ()) if linear else 0
     return attention + linear_layers * (linear_attention.state_bytes(text, batch, itemsize) or 0)
 
 

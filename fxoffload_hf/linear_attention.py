@@ -38,7 +38,7 @@ from torch import nn
 _FP32 = 4
 # Transformers' layer types of such layers: alone, beside attention in the same layer (Falcon-H1's), or
 # a short convolution
-_KINDS = frozenset({"linear_attention", "hybrid", "conv"})
+KINDS = frozenset({"linear_attention", "hybrid", "conv"})
 _CHUNK = 64  # the delta rules' chunk of positions (Gated DeltaNet's, Kimi's)
 # per model: the class names of its modules
 _module_names: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
@@ -280,7 +280,7 @@ def computing_bytes(
     if model not in _module_names:
         _module_names[model] = frozenset(type(m).__name__ for m in model.modules())
     present = [f for f in _FAMILIES if any(f.is_layer(name) for name in _module_names[model])]
-    linear = bool(_KINDS & set(_value(config, "layer_types") or ()))
+    linear = bool(KINDS & set(_value(config, "layer_types") or ()))
     if not (linear or present):
         return 0
     found = _family(config)
