@@ -90,8 +90,13 @@ def eager_call_bytes(
     lengths = _token_lengths(inputs)
     cache = next((inputs[n] for n in _CACHES if inputs.get(n) is not None), None)
     past = _cached_positions(cache)
-    if lengths is None or past is None or not (hidden and vocab):
-        return None  # (no heads: no attention layer, or the cache is not predicted below)
+    # no heads: a model of linear-attention layers alone (Mamba), or one the bound cannot read
+    if (
+        lengths is None
+        or past is None
+        or not (hidden and vocab and (heads or linear_attention.is_read(text)))
+    ):
+        return None
     batch, tokens, decoded = lengths
     keys = past + tokens
     itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)

@@ -82,6 +82,13 @@ def test_calls_the_bound_cannot_read_have_none(build_model, checkpoint_config):
     with torch.device("meta"):
         minimax = transformers.AutoModelForCausalLM.from_config(hybrid)
     assert eager_call_bytes(minimax, (ids,), {}, "cpu") is None
+    # attention whose heads the config does not state (latents are cached without them; the scores are not
+    # bounded): only a model of linear-attention layers alone may have none
+    with torch.device("meta"):
+        latent = transformers.AutoModelForCausalLM.from_config(checkpoint_config("deepseek_v3"))
+    assert eager_call_bytes(latent, (ids,), {}, "cpu") is not None
+    latent.config.num_attention_heads = 0
+    assert eager_call_bytes(latent, (ids,), {}, "cpu") is None
     # routed experts whose eager code copies expert weights (batched_mm gathers one per routed token), a
     # stacked weight outside Transformers' experts modules: captured, where what they hold is measured
     config = checkpoint_config("mixtral")
