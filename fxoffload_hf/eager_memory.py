@@ -90,25 +90,21 @@ def eager_call_bytes(
     lengths = _token_lengths(inputs)
     cache = next((inputs[n] for n in _CACHES if inputs.get(n) is not None), None)
     past = _cached_positions(cache)
-    # no heads: a model of linear-attention layers alone (Mamba), or one the bound cannot read
-    if (
-        lengths is None
-        or past is None
-        or not (hidden and vocab and (heads or linear_attention.is_read(text)))
-    ):
+    if lengths is None or past is None or not (hidden and vocab):
         return None
     batch, tokens, decoded = lengths
     keys = past + tokens
     itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
-    # layers other than attention (state-space scans, linear attention) hold what no config bound sees:
-    # a tiny Mamba's eager call 2.6x the dense bound, a tiny Falcon-H1's 465 MiB (measured)
+    # layers whose cache is not predicted (other scans and recurrences) hold what no config bound sees:
+    # a tiny Falcon-H1's eager call held 465 MiB before its Mamba-2 layers had a term (measured)
     built_cache = predicted_cache_bytes(config, batch, keys, itemsize)
     if built_cache is None:
         return None
     routed = _routed_bytes(model, text, hidden, itemsize, device_type)
     stepping = past > 0 and tokens == 1  # one position after cached ones: a recurrent step
     linear = linear_attention.computing_bytes(model, text, batch, tokens, itemsize, stepping)
-    if routed is None or linear is None:
+    # no heads and no linear layers: attention whose scores are not bounded (latents cache without heads)
+    if routed is None or linear is None or not (heads or linear):
         return None
     per_token = (12 * hidden + 4 * _inner_width(text, hidden) + _latent_query_width(text)) * itemsize + routed
     # latent attention expands one layer's cached latents to every head's keys and values; an indexer

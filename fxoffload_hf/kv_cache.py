@@ -29,8 +29,10 @@ _OTHER_CACHES = ("state_size", "ssm_state_size")
 # that keep the last window of positions (Transformers caches chunked attention as a sliding window)
 _FULL = ("full_attention", "indexed_attention")
 _WINDOWED = ("sliding_attention", "chunked_attention")
-# the layer kinds that hold no keys and values per position
-_POSITIONLESS = frozenset({"dummy", "linear_attention", "conv"})
+# the layer kinds that hold no keys and values per position: a layer reading another's cache or without
+# attention; and, where ``linear_attention`` sizes their states, linear layers other than hybrids
+_POSITIONLESS = frozenset({"dummy"})
+_LINEAR_POSITIONLESS = linear_attention.KINDS - {"hybrid"}
 # the Transformers from which latent attention caches its latents (checked on 5.25.0)
 _LATENTS_CACHED = tuple(map(int, re.findall(r"\d+", version("transformers"))[:2])) >= (5, 25)
 
@@ -98,8 +100,8 @@ def _positions(
             positions.append(length)
         elif kind in _WINDOWED and isinstance(layer_kwargs.get("sliding_window"), int):
             positions.append(min(length, layer_kwargs["sliding_window"] - 1))
-        elif kind == "dummy" or (linear and kind in linear_attention.KINDS):
-            positions.append(0)  # a layer reading another's cache, one without attention, or linear
+        elif kind in _POSITIONLESS or (linear and kind in _LINEAR_POSITIONLESS):
+            positions.append(0)
         else:
             return None
     return positions if len(positions) == _attr(text, "num_hidden_layers") else None
@@ -132,19 +134,21 @@ def _layer_is_latent(config: Any) -> bool:
 
 
 def _per_layer_position_bytes(
-    text: Any, itemsize: int, kinds: list[tuple[str, dict[str, Any]]] | None
+    text: Any, itemsize: int, kinds: list[tuple[str, dict[str, Any]]] | None, linear: bool = False
 ) -> list[int] | None:
     """Each layer's bytes per position and sequence, from its own config where layers differ (Transformers'
     ``per_layer_config``: another head size for global layers, say), the layers being of ``kinds``
-    (``_layer_kinds``; None: read as full attention); None where one is not stated."""
+    (``_layer_kinds``; None: read as full attention; ``linear``: as in ``_positions``); None where one is
+    not stated."""
     configs = _layer_configs(text)
     if not configs or len(configs) != _attr(text, "num_hidden_layers"):
         return None
     names = [kind for kind, _ in kinds] if kinds is not None else ["full_attention"] * len(configs)
     if len(names) != len(configs):
         return None
+    positionless = _POSITIONLESS | (_LINEAR_POSITIONLESS if linear else frozenset())
     sizes = [
-        0 if kind in _POSITIONLESS else _per_position_bytes(c, itemsize, kind)
+        0 if kind in positionless else _per_position_bytes(c, itemsize, kind)
         for c, kind in zip(configs, names, strict=True)
     ]
     if any(size is None for size in sizes):
@@ -159,7 +163,7 @@ def predicted_cache_bytes(config: Any, batch: int, length: int, itemsize: int) -
     kinds = _layer_kinds(text)  # read once: Transformers builds every layer's kind from the config
     linear = linear_attention.is_read(text)
     positions = _positions(text, length, _FULL, kinds, linear)
-    per_position = _per_layer_position_bytes(text, itemsize, kinds)
+    per_position = _per_layer_position_bytes(text, itemsize, kinds, linear)
     if positions is None or per_position is None:
         return None
     attention = batch * sum(p * b for p, b in zip(positions, per_position, strict=True))

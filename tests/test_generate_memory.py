@@ -12,6 +12,7 @@ import transformers as tf
 
 import fxoffload_hf
 from fxoffload_hf.generate_memory import decode_step_bytes, final_kv_bytes, predictable_cache
+from fxoffload_hf.kv_cache import kv_cache_bytes
 from fxoffload_hf.memory_model import BudgetTooSmallError
 
 BUDGET = 1_300_000  # the tiny Llama in several pieces, with room for a short generate's cache
@@ -50,6 +51,9 @@ def test_no_prediction_where_the_cache_holds_something_else(checkpoint_config):
         num_key_value_heads=2, head_dim=16, vocab_size=1000, layer_types=["linear_attention", "full_attention"],
     )  # fmt: skip
     assert not predictable_cache(_tiny(hybrid))
+    # the plan's figure for them stays an upper bound: every layer's keys and values at full attention
+    # (2 layers, 2 sequences, keys and values of 2 heads of 16, 100 positions, fp32)
+    assert kv_cache_bytes(hybrid, 2, 100, 4) == 2 * 2 * 2 * 2 * 16 * 100 * 4
     assert predictable_cache(_tiny(checkpoint_config("llama")))
     assert predictable_cache(_tiny(_small(tf.Qwen3NextConfig, **GATED_DELTA_NET)))
 
