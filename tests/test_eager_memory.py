@@ -203,60 +203,11 @@ def _assert_bounds_cover_prefill_and_step(model: torch.nn.Module, batch: int, to
 
 
 def _linear_attention(arch: str, checkpoint_config) -> torch.nn.Module:
-    """Gated DeltaNet layers (two key heads of 32, four value heads of 32) beside full attention, or
-    Mamba layers (an inner width of 256, states of 16)."""
-    if arch == "jamba":  # Mamba layers beside attention, routed experts
-        torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(
-            transformers.JambaConfig(
-                hidden_size=128,
-                intermediate_size=256,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                vocab_size=1000,
-                mamba_d_state=16,
-                num_experts=4,
-                num_experts_per_tok=2,
-                attn_layer_period=2,
-                attn_layer_offset=1,
-                expert_layer_period=2,
-                expert_layer_offset=1,
-                pad_token_id=0,
-            )
-        ).eval()
+    """A tiny model of ``arch``, seeded: Gated DeltaNet layers (two key heads of 32, four value heads of
+    32), Mamba layers (an inner width of 256, states of 16), Mamba-2 layers (eight heads of 32, chunks of
+    16), beside attention, routed experts or both; or ``checkpoint_config``'s."""
     mamba2 = {"hidden_size": 128, "vocab_size": 1000, "n_groups": 1, "chunk_size": 16}
-    if arch == "mamba2":  # chunks of 16 positions
-        config = transformers.Mamba2Config(
-            **mamba2, num_hidden_layers=2, num_heads=8, head_dim=32, expand=2, state_size=16
-        )
-        torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(config).eval()
-    if arch == "nemotron_h":  # Mamba-2, attention and MLP layers
-        config = transformers.NemotronHConfig(
-            **mamba2, num_hidden_layers=3, hybrid_override_pattern="M*-", mamba_num_heads=8, mamba_head_dim=32,
-            ssm_state_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(config).eval()
-    if arch == "falcon_h1":  # Mamba-2 and attention side by side in every layer
-        config = transformers.FalconH1Config(
-            hidden_size=128, vocab_size=1000, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=32, intermediate_size=256, mamba_d_ssm=256, mamba_n_heads=8, mamba_d_head=32,
-            mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16, pad_token_id=0,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(config).eval()
-    if arch in ("zamba2", "granitemoehybrid", "lfm2", "lfm3", "kimi_linear", "bailing_hybrid"):
-        torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(checkpoint_config(arch)).eval()
-    if arch in ("mamba", "falcon_mamba"):
-        mamba = transformers.MambaConfig if arch == "mamba" else transformers.FalconMambaConfig
-        torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(
-            mamba(hidden_size=128, intermediate_size=256, state_size=16, num_hidden_layers=2, vocab_size=1000)
-        ).eval()
-    shape = {
+    gated_delta_net = {
         "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000, "linear_num_key_heads": 2,
         "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
@@ -264,10 +215,38 @@ def _linear_attention(arch: str, checkpoint_config) -> torch.nn.Module:
     }  # fmt: skip
     if arch == "qwen3_next":  # routed experts too
         config = transformers.Qwen3NextConfig(
-            **shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64
+            **gated_delta_net, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64
         )
-    else:
-        config = transformers.OlmoHybridConfig(**shape, pad_token_id=0)
+    elif arch == "olmo_hybrid":
+        config = transformers.OlmoHybridConfig(**gated_delta_net, pad_token_id=0)
+    elif arch in ("mamba", "falcon_mamba"):
+        mamba = transformers.MambaConfig if arch == "mamba" else transformers.FalconMambaConfig
+        config = mamba(
+            hidden_size=128, intermediate_size=256, state_size=16, num_hidden_layers=2, vocab_size=1000
+        )
+    elif arch == "jamba":  # Mamba layers beside attention, routed experts
+        config = transformers.JambaConfig(
+            hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=1000, mamba_d_state=16, num_experts=4, num_experts_per_tok=2,
+            attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, pad_token_id=0,
+        )  # fmt: skip
+    elif arch == "mamba2":
+        config = transformers.Mamba2Config(
+            **mamba2, num_hidden_layers=2, num_heads=8, head_dim=32, expand=2, state_size=16
+        )
+    elif arch == "nemotron_h":  # Mamba-2, attention and MLP layers
+        config = transformers.NemotronHConfig(
+            **mamba2, num_hidden_layers=3, hybrid_override_pattern="M*-", mamba_num_heads=8, mamba_head_dim=32,
+            ssm_state_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
+        )  # fmt: skip
+    elif arch == "falcon_h1":  # Mamba-2 and attention side by side in every layer
+        config = transformers.FalconH1Config(
+            hidden_size=128, vocab_size=1000, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, intermediate_size=256, mamba_d_ssm=256, mamba_n_heads=8, mamba_d_head=32,
+            mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16, pad_token_id=0,
+        )  # fmt: skip
+    else:  # zamba2, granitemoehybrid, lfm2, lfm3, kimi_linear, bailing_hybrid
+        config = checkpoint_config(arch)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
