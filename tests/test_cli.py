@@ -17,6 +17,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import torch
 
 from fxoffload_hf import cli
 
@@ -116,19 +117,24 @@ def test_generate_streams_tokens_and_draws_the_timeline(checkpoint, tmp_path):
     assert names == {"copy", "compute"}
 
 
-def test_generate_runs_several_prompts_as_one_block_each_as_if_alone(checkpoint):
+def test_generate_runs_several_prompts_as_one_block_each_as_if_alone(checkpoint, llama_master):
+    import transformers as tf
+
     save_tokenizer(checkpoint)
-    common = ["--max-new-tokens", "5", "--cpu-memory", "1500000", "--device", "cpu"]
-    alone = [
-        run("--quiet", "generate", str(checkpoint), "--prompt", p, *common) for p in ("w5 w9 w77", "w3 w4")
-    ]
+    tokenizer = tf.AutoTokenizer.from_pretrained(checkpoint)
+    eager = llama_master[1]
+    alone = []  # each prompt's text as eager greedy decoding gives it alone
+    for prompt in ("w5 w9 w77", "w3 w4"):
+        with torch.no_grad():
+            out = eager.generate(**tokenizer(prompt, return_tensors="pt"), max_new_tokens=5, do_sample=False)
+        alone.append(tokenizer.decode(out[0], skip_special_tokens=True))
     together = run(
-        "--quiet", "generate", str(checkpoint), "--prompt", "w5 w9 w77", "--prompt", "w3 w4", *common
-    )
+        "--quiet", "generate", str(checkpoint), "--prompt", "w5 w9 w77", "--prompt", "w3 w4",
+        "--max-new-tokens", "5", "--cpu-memory", "1500000", "--device", "cpu",
+    )  # fmt: skip
     assert together.returncode == 0, together.stderr
-    texts = [done.stdout.strip() for done in alone]
-    assert [len(t.split()) for t in texts] == [3 + 5, 2 + 5]  # each prompt and its five new words
-    assert together.stdout.split("\n\n")[:2] == texts
+    assert [len(t.split()) for t in alone] == [3 + 5, 2 + 5]  # each prompt and its five new words
+    assert together.stdout.split("\n\n")[:2] == alone
 
 
 def test_generate_without_tokenizer_says_so(llama_ckpt, command):
