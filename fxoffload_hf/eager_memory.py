@@ -3,16 +3,16 @@ the gate of ``capture="deferred"``, which runs a call eagerly only where this bo
 the largest module's weights, and captures it otherwise (a captured graph's activations are measured
 exactly, ``activations``).
 
-A transformer's eager call holds, per token (the encoder's and the decoder's), a few hidden states, its queries, keys and values and its MLP's
-intermediate states; its attention scores (batch x heads x queries x keys, in fp32, twice: the scores and
-their softmax) where the kernel materialises them; the KV cache it is passed and the one it builds; and
-the output head's logits at the kept positions (in fp32, twice: Transformers upcasts them). The bound
-counts all of it generously: it gates, it does not plan, and a bound too high only costs a call the wait
-for capture. Only where every layer is an attention layer whose cache ``kv_cache`` predicts (keys and
-values per head, or latent attention's latents, expanded to every head's keys and values in each
-layer's call) or a linear-attention layer of a family ``linear_attention`` reads (Gated DeltaNet, Mamba,
-Mamba-2, Kimi's delta attention, short convolutions): other scans and recurrences hold states no config
-bound sees.
+A transformer's eager call holds, per token (the encoder's and the decoder's), a few hidden states, its
+queries, keys and values and its MLP's intermediate states; its attention scores (batch x heads x queries
+x keys, in fp32, twice: the scores and their softmax) and masks where the kernel materialises them; the
+KV cache it is passed and the one it builds; and the output head's logits at the kept positions (in fp32,
+twice: Transformers upcasts them). The bound counts all of it generously: it gates, it does not plan, and
+a bound too high only costs a call the wait for capture. Only where every layer is an attention layer
+whose cache ``kv_cache`` predicts (keys and values per head, or latent attention's latents, expanded to
+every head's keys and values in each layer's call, and in reduced precision copied to fp32) or a
+linear-attention layer of a family ``linear_attention`` reads (Gated DeltaNet, Mamba, Mamba-2, Kimi's
+delta attention, short convolutions): other scans and recurrences hold states no config bound sees.
 
 Routed experts add, per token and expert it is routed to, the token's states and its expert's
 intermediate states, and the router's logits over all experts; only where their eager code
@@ -36,6 +36,12 @@ from fxoffload_hf import linear_attention
 from fxoffload_hf.kv_cache import latent_expansion_bytes, predicted_cache_bytes, text_config
 from fxoffload_hf.reserved_cache import disk_resident_bytes
 
+# Per query and key where attention's scores are materialised (scaled-dot-product attention's math kernel,
+# which latent attention takes; measured on the CPU at 1, 4 and 8 heads in fp32 and bf16: 9.35 bytes per
+# head and 4 per sequence): per head, the fp32 scores, their softmax and a byte of its check for rows
+# wholly masked; per sequence, the fp32 mask it adds and the boolean ones it is made from.
+_SCORE_BYTES = 4 + 4 + 2
+_MASK_BYTES = 4 + 2
 # arguments that do not change what a decoder's call holds (beside the token ids and the cache)
 _SHAPE_FREE = {
     "attention_mask",
@@ -108,9 +114,10 @@ def eager_call_bytes(
         return None
     per_token = (12 * hidden + 4 * _inner_width(text, hidden) + _latent_query_width(text)) * itemsize + routed
     # latent attention expands one layer's cached latents to every head's keys and values; an indexer
-    # scores every key with heads of its own (fp32, twice) before it keeps a few
+    # scores every key with heads of its own before it keeps a few
     expanded = latent_expansion_bytes(config, batch, keys, itemsize)
-    scores = 2 * batch * (heads + _int(text, "index_n_heads")) * tokens * keys * 4
+    score_heads = heads + _int(text, "index_n_heads")
+    scores = batch * tokens * keys * (score_heads * _SCORE_BYTES + _MASK_BYTES)
     logits = 2 * batch * _kept_positions(inputs.get("logits_to_keep"), decoded) * vocab * 4
     on_disk = disk_resident_bytes(cache)  # a cache kept on disk has about two layers in memory
     cache_bytes = 2 * built_cache if on_disk is None else on_disk

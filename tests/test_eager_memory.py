@@ -187,6 +187,16 @@ def test_the_bound_covers_what_routed_experts_hold_eagerly(arch, checkpoint_conf
             _assert_bounds_cover_prefill_and_step(model, 2, tokens)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_bound_covers_latent_attention_over_long_prompts_in_any_precision(dtype, checkpoint_config):
+    """Measured from the allocator: latent attention's keys are wider than its values, so attention runs
+    its math kernel, which materialises scores and masks of queries x keys, and in bf16 computes in fp32
+    (copies of every head's keys and values); a long prompt, then a step over its cache."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(checkpoint_config("deepseek_v3")).eval().to(dtype)
+    _assert_bounds_cover_prefill_and_step(model, 1, 3000)
+
+
 def _assert_bounds_cover_prefill_and_step(model: torch.nn.Module, batch: int, tokens: int) -> None:
     """The bound of a prefill of ``batch`` x ``tokens`` positions, and of the decode step after it (given
     the cache it filled), are at least what the allocator's peak shows each hold."""
