@@ -1,8 +1,8 @@
 """Layers Transformers caches as linear attention, from the config alone: Gated DeltaNet's (Qwen3-Next,
 Qwen3.5, OLMo hybrid, LaraMini), Mamba's (Mamba, Falcon-Mamba, Jamba), Mamba-2's (Mamba-2, Nemotron-H,
-Bamba, Falcon-H1, Zamba 2, Granite 4), Kimi's delta attention (Kimi Linear, Bailing hybrid) and LFM2's
-short convolutions: the states their cache keeps, and what one such layer holds while it computes
-eagerly.
+Bamba, Falcon-H1, Zamba 2, Granite 4), Kimi's delta attention (Kimi Linear, Bailing hybrid), LFM2's
+short convolutions and MiniMax's Lightning attention: the states their cache keeps, and what one such
+layer holds while it computes eagerly.
 
 Transformers caches such a layer as a ``LinearAttentionLayer``: its convolution's last inputs (in the
 model's dtype) and its recurrent states (in fp32, as the kernels compute them), both written in place,
@@ -19,11 +19,13 @@ whatever the length. Without the ``fla`` or ``mamba_ssm`` kernels (the CPU) its 
   ``recurrent_kimi_delta_attention``;
 - Mamba-2: a prompt in ``mamba2_chunk_scan`` (padded to whole chunks of ``chunk_size``, in fp32, with each
   chunk's segment sums and products per position and head, and every head's state per chunk), a decode
-  step in ``mamba2_selective_state_update``.
+  step in ``mamba2_selective_state_update``;
+- Lightning attention (MiniMax's own cache keeps its state, in the model's dtype): a prompt in blocks of
+  ``block_size`` positions (a block's pairwise weights per head, and their decayed copy), later positions
+  one at a time.
 
 The bound here counts them generously, for the layer that holds the most (layers compute one after
-another). Other linear attention (Lightning attention, RG-LRU, RWKV, xLSTM, Zamba's multi-head Mamba) is
-not read.
+another). Other linear attention (RG-LRU, RWKV, xLSTM, Zamba's multi-head Mamba) is not read.
 """
 
 from __future__ import annotations
@@ -206,6 +208,40 @@ def _mamba2_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, step
     return batch * (tokens * projected + scanned + per_chunk + states)
 
 
+# Lightning attention: heads, head size, block
+def _lightning_sizes(config: Any) -> Sizes | None:
+    """MiniMax's heads, head size (``head_dim``, else the hidden size's share) and block of positions."""
+    heads, hidden, block = (
+        _value(config, name) for name in ("num_attention_heads", "hidden_size", "block_size")
+    )
+    if not (isinstance(heads, int) and isinstance(block, int) and heads > 0 and block > 0):
+        return None
+    head_dim = _value(config, "head_dim") or (hidden // heads if isinstance(hidden, int) else 0)
+    return (heads, head_dim, block) if isinstance(head_dim, int) and head_dim > 0 else None
+
+
+def _lightning_state(sizes: Sizes, batch: int, itemsize: int) -> int:
+    heads, head_dim, _block = sizes
+    return batch * heads * head_dim * head_dim * itemsize  # keys times values, decayed; no convolution
+
+
+def _lightning_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
+    heads, head_dim, block = sizes
+    width = heads * head_dim
+    # per position, in the model's dtype: the fused projection of queries, keys and values, activated and
+    # masked, every block's output kept, joined and reshaped, the gate and its product; the norm in fp32;
+    # twice over
+    projected = 2 * (16 * width * itemsize + 2 * width * _FP32)
+    states = 5 * heads * head_dim * head_dim * itemsize  # the state, and the copies an update makes
+    if stepping:
+        return batch * (tokens * projected + states)
+    # a prompt's block (later positions, one at a time, hold less): the pairwise weights of its positions
+    # and their decayed copy per head, and a few copies of its queries, keys and values decayed
+    rows = min(tokens, block)
+    per_block = heads * (3 * rows * rows + 8 * rows * head_dim) * itemsize
+    return batch * (tokens * projected + per_block + states)
+
+
 # the config attributes each family's models name their sizes by
 _GATED_DELTA_NET = (
     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -250,6 +286,12 @@ _FAMILIES = (
         _mamba2_computing,
     ),
     _Family(_mamba_sizes, lambda name: name in _MAMBA_MIXERS, _mamba_state, _mamba_computing),
+    _Family(
+        _lightning_sizes,
+        lambda name: name.endswith("LightningAttention"),
+        _lightning_state,
+        _lightning_computing,
+    ),
 )
 
 

@@ -186,6 +186,12 @@ def checkpoint_config(arch: str):
         from harness.shrink import shrink_config
 
         return shrink_config(tf.CONFIG_MAPPING[arch]())
+    if arch == "minimax":  # Lightning attention in blocks of 16 positions beside attention, routed experts
+        return tf.MiniMaxConfig(
+            hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, vocab_size=1000, num_local_experts=4, num_experts_per_tok=2,
+            block_size=16, layer_types=["linear_attention", "full_attention"],
+        )  # fmt: skip
     if arch == "opt":
         return tf.OPTConfig(
             num_hidden_layers=3, num_attention_heads=4, hidden_size=128, ffn_dim=256, vocab_size=1000,

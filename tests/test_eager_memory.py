@@ -72,16 +72,12 @@ def test_calls_the_bound_cannot_read_have_none(build_model, checkpoint_config):
     assert eager_call_bytes(llama, (ids, ids), {}) is None
     assert eager_call_bytes(llama, (ids[0],), {}) is None  # not a batch of token ids
     assert eager_call_bytes(build_model("mlp"), (torch.ones(2, 256),), {}) is None  # no config
-    # layers other than attention beside attention whose kernels the bound does not read: MiniMax's
-    # Lightning attention (a tiny Falcon-H1's Mamba-2 layers held 465 MiB against a dense bound of 0.04 MiB
-    # before their own term, ``linear_attention``)
-    hybrid = transformers.MiniMaxConfig(
-        num_hidden_layers=2, num_attention_heads=4, hidden_size=128, intermediate_size=256, vocab_size=1000,
-        layer_types=["linear_attention", "full_attention"],
-    )  # fmt: skip
+    # layers other than attention beside attention whose kernels the bound does not read: RecurrentGemma's
+    # RG-LRU (a tiny Falcon-H1's Mamba-2 layers held 465 MiB against a dense bound of 0.04 MiB before their
+    # own term, ``linear_attention``)
     with torch.device("meta"):
-        minimax = transformers.AutoModelForCausalLM.from_config(hybrid)
-    assert eager_call_bytes(minimax, (ids,), {}, "cpu") is None
+        recurrent = transformers.AutoModelForCausalLM.from_config(_recurrent_gemma())
+    assert eager_call_bytes(recurrent, (ids,), {}, "cpu") is None
     # attention whose heads the config does not state (latents are cached without them; the scores are not
     # bounded): only a model of linear-attention layers alone may have none
     with torch.device("meta"):
@@ -99,6 +95,14 @@ def test_calls_the_bound_cannot_read_have_none(build_model, checkpoint_config):
     mixtral = transformers.MixtralForCausalLM(config)
     mixtral.model.norm.register_parameter("stacked", torch.nn.Parameter(torch.zeros(2, 2, 2)))
     assert eager_call_bytes(mixtral, (ids,), {}) is None
+
+
+def _recurrent_gemma() -> transformers.RecurrentGemmaConfig:
+    """Two layers: RG-LRU recurrences, then local attention of two key heads of 16."""
+    return transformers.RecurrentGemmaConfig(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=128,
+        vocab_size=1000, lru_width=64, attention_window_size=16, block_types=["recurrent", "attention"],
+    )  # fmt: skip
 
 
 def test_a_multimodal_models_text_only_call_is_bounded():
@@ -197,11 +201,20 @@ def test_the_bound_covers_latent_attention_over_long_prompts_in_any_precision(dt
     _assert_bounds_cover_prefill_and_step(model, 1, 3000)
 
 
+def _empty_cache(model: torch.nn.Module) -> transformers.Cache:
+    """The cache a generate of ``model`` starts with: Transformers' dynamic cache, or MiniMax's own."""
+    if isinstance(model, transformers.MiniMaxForCausalLM):
+        from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+        return MiniMaxCache()
+    return transformers.DynamicCache(config=model.config)
+
+
 def _assert_bounds_cover_prefill_and_step(model: torch.nn.Module, batch: int, tokens: int) -> None:
     """The bound of a prefill of ``batch`` x ``tokens`` positions, and of the decode step after it (given
     the cache it filled), are at least what the allocator's peak shows each hold."""
     ids = torch.randint(0, 1000, (batch, tokens), generator=torch.Generator().manual_seed(tokens))
-    cache = transformers.DynamicCache(config=model.config)
+    cache = _empty_cache(model)
     step = {"input_ids": ids[:, -1:], "cache": cache}
     with torch.no_grad():
         prefill = _eager_peak(model, ids, cache=cache)
@@ -255,7 +268,7 @@ def _linear_attention(arch: str, checkpoint_config) -> torch.nn.Module:
             head_dim=32, intermediate_size=256, mamba_d_ssm=256, mamba_n_heads=8, mamba_d_head=32,
             mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16, pad_token_id=0,
         )  # fmt: skip
-    else:  # zamba2, granitemoehybrid, lfm2, lfm3, kimi_linear, bailing_hybrid
+    else:  # zamba2, granitemoehybrid, lfm2, lfm3, kimi_linear, bailing_hybrid, minimax
         config = checkpoint_config(arch)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -265,7 +278,7 @@ def _linear_attention(arch: str, checkpoint_config) -> torch.nn.Module:
 # attention (and experts)
 LINEAR_ATTENTION = [
     "qwen3_next", "olmo_hybrid", "mamba", "falcon_mamba", "jamba", "mamba2", "nemotron_h", "falcon_h1", "zamba2",
-    "granitemoehybrid", "lfm2", "lfm3", "kimi_linear", "bailing_hybrid",
+    "granitemoehybrid", "lfm2", "lfm3", "kimi_linear", "bailing_hybrid", "minimax",
 ]  # fmt: skip
 
 

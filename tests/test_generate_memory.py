@@ -44,11 +44,11 @@ def test_no_prediction_where_the_cache_holds_something_else(checkpoint_config):
         assert not predictable_cache(
             tf.OpenAIGPTLMHeadModel(tf.OpenAIGPTConfig(n_layer=2, n_embd=64, n_head=2))
         )
-    # Lightning attention's layers beside attention ones hold states not sized here; Gated DeltaNet's,
-    # Mamba's and Mamba-2's layers' states are predicted (below)
-    hybrid = tf.MiniMaxConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=1000, layer_types=["linear_attention", "full_attention"],
+    # RG-LRU layers beside attention ones hold states not sized here; Gated DeltaNet's, Mamba's, Mamba-2's
+    # and Lightning attention's layers' states are predicted (below)
+    hybrid = tf.RecurrentGemmaConfig(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=128,
+        vocab_size=1000, lru_width=64, attention_window_size=16, block_types=["recurrent", "attention"],
     )  # fmt: skip
     assert not predictable_cache(_tiny(hybrid))
     # the plan's figure for them stays an upper bound: every layer's keys and values at full attention
@@ -170,11 +170,12 @@ def test_the_prediction_is_the_cache_eager_generate_leaves(config):
 
 
 @pytest.mark.parametrize(
-    "arch", ["zamba2", "granitemoehybrid", "lfm2", "lfm3", "kimi_linear", "bailing_hybrid"]
+    "arch", ["zamba2", "granitemoehybrid", "lfm2", "lfm3", "kimi_linear", "bailing_hybrid", "minimax"]
 )
 def test_the_prediction_is_the_cache_of_hybrids(arch, checkpoint_config):
     """Shared attention blocks at Zamba 2's hybrid layers; Mamba-2 layers beside routed experts; LFM2's
-    short convolutions beside attention; Kimi's delta attention beside latent attention."""
+    short convolutions beside attention; Kimi's delta attention beside latent attention; MiniMax's Lightning
+    attention, whose state its own cache keeps."""
     _assert_predicted_as_generate_leaves(checkpoint_config(arch))
 
 
@@ -188,6 +189,7 @@ def _assert_predicted_as_generate_leaves(config) -> None:
     kept = ("keys", "values", "indexer_keys", "conv_states", "recurrent_states")
     found = [getattr(layer, name, None) for layer in cache.layers for name in kept]
     tensors = [t for f in found for t in (f.values() if isinstance(f, dict) else [f])]  # states by index
+    tensors += [t for t in getattr(cache, "linear_cache", ()) if isinstance(t, torch.Tensor)]  # MiniMax's
     held = sum(t.nbytes for t in tensors if t is not None)
     assert final_kv_bytes(model, (ids,), {"max_new_tokens": 5}) == held > 0
 
