@@ -256,7 +256,7 @@ def tile_oversized(
                 if unit >= record.footprint
                 else f"not even the smallest tile of {kind} of {record.name} ({format_bytes(unit)}{copy}, "
                 f"a weight making at most {MOST_GRAPH_TILES} tiles) fits"
-            )
+            ) + " beside what a piece holds whatever its weights"
             short.append((memory.smallest_budget(unit, activations), why))
     if short:
         smallest, why = max(short)
