@@ -12,7 +12,8 @@ a bound too high only costs a call the wait for capture. Only where every layer 
 whose cache ``kv_cache`` predicts (keys and values per head, or latent attention's latents, expanded to
 every head's keys and values in each layer's call, and in reduced precision copied to fp32) or a
 linear-attention layer of a family ``linear_attention`` reads (Gated DeltaNet, Mamba, Mamba-2, Kimi's
-delta attention, short convolutions): other scans and recurrences hold states no config bound sees.
+delta attention, short convolutions, Lightning attention): other scans and recurrences hold states no
+config bound sees.
 
 Routed experts add, per token and expert it is routed to, the token's states and its expert's
 intermediate states, and the router's logits over all experts; only where their eager code
@@ -39,8 +40,9 @@ from fxoffload_hf.reserved_cache import disk_resident_bytes
 # Per query and key where attention's scores are materialised (scaled-dot-product attention's math kernel,
 # which latent attention takes; measured on the CPU at 1, 4 and 8 heads in fp32 and bf16: 9.35 bytes per
 # head and 4 per sequence): per head, the fp32 scores, their softmax and a byte of its check for rows
-# wholly masked; per sequence, the fp32 mask it adds and the boolean ones it is made from.
-_SCORE_BYTES = 4 + 4 + 2
+# wholly masked (one more, rounding 9.35 up); per sequence, the fp32 mask it adds and the boolean ones it
+# is made from.
+_SCORE_BYTES = 4 + 4 + 1 + 1
 _MASK_BYTES = 4 + 2
 # arguments that do not change what a decoder's call holds (beside the token ids and the cache)
 _SHAPE_FREE = {

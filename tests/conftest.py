@@ -192,6 +192,12 @@ def checkpoint_config(arch: str):
             num_key_value_heads=2, head_dim=32, vocab_size=1000, num_local_experts=4, num_experts_per_tok=2,
             block_size=16, layer_types=["linear_attention", "full_attention"],
         )  # fmt: skip
+    if arch == "recurrent_gemma":  # RG-LRU recurrences, then local attention of two key heads of 16
+        return tf.RecurrentGemmaConfig(
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+            intermediate_size=128, vocab_size=1000, lru_width=64, attention_window_size=16,
+            block_types=["recurrent", "attention"],
+        )  # fmt: skip
     if arch == "opt":
         return tf.OPTConfig(
             num_hidden_layers=3, num_attention_heads=4, hidden_size=128, ffn_dim=256, vocab_size=1000,

@@ -76,7 +76,7 @@ def test_calls_the_bound_cannot_read_have_none(build_model, checkpoint_config):
     # RG-LRU (a tiny Falcon-H1's Mamba-2 layers held 465 MiB against a dense bound of 0.04 MiB before their
     # own term, ``linear_attention``)
     with torch.device("meta"):
-        recurrent = transformers.AutoModelForCausalLM.from_config(_recurrent_gemma())
+        recurrent = transformers.AutoModelForCausalLM.from_config(checkpoint_config("recurrent_gemma"))
     assert eager_call_bytes(recurrent, (ids,), {}, "cpu") is None
     # attention whose heads the config does not state (latents are cached without them; the scores are not
     # bounded): only a model of linear-attention layers alone may have none
@@ -95,14 +95,6 @@ def test_calls_the_bound_cannot_read_have_none(build_model, checkpoint_config):
     mixtral = transformers.MixtralForCausalLM(config)
     mixtral.model.norm.register_parameter("stacked", torch.nn.Parameter(torch.zeros(2, 2, 2)))
     assert eager_call_bytes(mixtral, (ids,), {}) is None
-
-
-def _recurrent_gemma() -> transformers.RecurrentGemmaConfig:
-    """Two layers: RG-LRU recurrences, then local attention of two key heads of 16."""
-    return transformers.RecurrentGemmaConfig(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=128,
-        vocab_size=1000, lru_width=64, attention_window_size=16, block_types=["recurrent", "attention"],
-    )  # fmt: skip
 
 
 def test_a_multimodal_models_text_only_call_is_bounded():

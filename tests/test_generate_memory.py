@@ -46,10 +46,7 @@ def test_no_prediction_where_the_cache_holds_something_else(checkpoint_config):
         )
     # RG-LRU layers beside attention ones hold states not sized here; Gated DeltaNet's, Mamba's, Mamba-2's
     # and Lightning attention's layers' states are predicted (below)
-    hybrid = tf.RecurrentGemmaConfig(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=128,
-        vocab_size=1000, lru_width=64, attention_window_size=16, block_types=["recurrent", "attention"],
-    )  # fmt: skip
+    hybrid = checkpoint_config("recurrent_gemma")
     assert not predictable_cache(_tiny(hybrid))
     # the plan's figure for them stays an upper bound: every layer's keys and values at full attention
     # (2 layers, 2 sequences, keys and values of 2 heads of 16, 100 positions, fp32)
