@@ -193,6 +193,21 @@ def test_the_bound_covers_latent_attention_over_long_prompts_in_any_precision(dt
     _assert_bounds_cover_prefill_and_step(model, 1, 3000)
 
 
+def test_the_bound_covers_gated_delta_net_at_its_real_head_sizes():
+    """Measured from the allocator at Qwen3-Next's linear-attention head sizes (16 key and 32 value heads
+    of 128), a prompt of eight chunks, then a decode step: the tiny models above have heads of 32."""
+    config = transformers.Qwen3NextConfig(
+        hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, vocab_size=1000, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    _assert_bounds_cover_prefill_and_step(
+        transformers.AutoModelForCausalLM.from_config(config).eval(), 1, 512
+    )
+
+
 def _empty_cache(model: torch.nn.Module) -> transformers.Cache:
     """The cache a generate of ``model`` starts with: Transformers' dynamic cache, or MiniMax's own."""
     if isinstance(model, transformers.MiniMaxForCausalLM):
