@@ -174,14 +174,15 @@ def predicted_cache_bytes(config: Any, batch: int, length: int, itemsize: int) -
 # Latent attention's keys are wider than its values, so scaled-dot-product attention takes its math kernel,
 # which computes bf16 and fp16 in fp32 (measured on the CPU: DeepSeek-V3's decode step held 1.9x the bound
 # without them): copies of the keys in fp32, two (the copy and the scaled copy), and of the values, one.
-_FP32_COPIES = (2, 1)
+_FP32_KEY_COPIES = 2
+_FP32_VALUE_COPIES = 1
 
 
 def latent_expansion_bytes(config: Any, batch: int, length: int, itemsize: int) -> int:
     """What a decode step of latent attention holds beside the cache at ``length`` positions: one
     layer's latents expanded to every head's keys and values (and the projection they come from), for
     the layer that expands most; 0 without latent layers. In reduced precision, also the fp32 copies
-    that attention's math kernel makes of them (``_FP32_COPIES``)."""
+    that attention's math kernel makes of them (``_FP32_KEY_COPIES``, ``_FP32_VALUE_COPIES``)."""
     most = 0
     for layer in _layer_configs(text_config(config)):
         if not _layer_is_latent(layer):
@@ -192,7 +193,7 @@ def latent_expansion_bytes(config: Any, batch: int, length: int, itemsize: int) 
         )
         expanded = heads * (2 * nope + rope + 2 * value) * itemsize
         if itemsize < 4:
-            expanded += heads * (_FP32_COPIES[0] * (nope + rope) + _FP32_COPIES[1] * value) * 4
+            expanded += heads * (_FP32_KEY_COPIES * (nope + rope) + _FP32_VALUE_COPIES * value) * 4
         most = max(most, expanded)
     return batch * length * most
 

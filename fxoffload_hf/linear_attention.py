@@ -214,6 +214,8 @@ def _mamba2_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, step
 # Lightning attention: heads, head size, block
 def _lightning_sizes(config: Any) -> Sizes | None:
     """MiniMax's heads, head size (``head_dim``, else the hidden size's share) and block of positions."""
+    if _value(config, "linear_attn_alpha_factor") is None:
+        return None  # heads and a block size are common names (BigBird's): MiniMax's own factor marks it
     heads, hidden, block = (
         _value(config, name) for name in ("num_attention_heads", "hidden_size", "block_size")
     )
