@@ -26,6 +26,7 @@ no bound, and is captured.
 
 from __future__ import annotations
 
+import re
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -67,16 +68,21 @@ _VIEWING_EXPERTS = frozenset({"eager", "grouped_mm"})
 # experts modules of their own that run every token through every expert, with batched products on the
 # stacked weights themselves (Llama 4's: the router scales each expert's copy of the token)
 _EVERY_EXPERT = frozenset({"Llama4TextExperts"})
+# the class names of modules that route tokens to experts, where experts are not one stacked weight
+_ROUTING_NAMES = re.compile("moe|expert|router|sparse", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
 class _Experts:
     """A model's experts modules: the configs of Transformers' ones, the devices of their stacked weights,
-    and whether one runs every token through every expert (``_EVERY_EXPERT``)."""
+    whether one runs every token through every expert (``_EVERY_EXPERT``), and whether the model routes
+    tokens at all (a config may describe experts its layers do not build: a Nemotron-H without ``E``
+    layers keeps the defaults of its mixture-of-experts variant)."""
 
     configs: tuple[Any, ...]
     devices: frozenset[str]
     every_expert: bool
+    routes: bool
 
 
 # per model: its experts modules, or None where a stacked weight lies outside those the bound reads
@@ -203,6 +209,8 @@ def _routed_bytes(
     found = _experts_computing_on_views(model, device_type)
     if found is None:
         return None
+    if not found.routes:
+        return 0
     routed = max((_int(text, name) for name in _EXPERTS_PER_TOKEN), default=0)
     per_token = experts if found.every_expert or not routed else routed
     width = max(_int(text, name) for name in _EXPERT_WIDTHS) or 4 * hidden
@@ -233,8 +241,9 @@ def _experts_modules(model: nn.Module) -> _Experts | None:
     ``is_transposed``) and those of ``_EVERY_EXPERT``; None where a stacked weight lies outside them."""
     configs: list[Any] = []
     devices: set[str] = set()
-    every_expert = False
+    every_expert = routing_names = False
     for module in model.modules():
+        routing_names = routing_names or bool(_ROUTING_NAMES.search(type(module).__name__))
         # a bank of several matrices (not a convolution's kernel, nor a gate's parameters kept 4-D to
         # broadcast: Kimi's forget gate's (1, 1, heads, 1))
         stacked = [p for p in module.parameters(recurse=False) if p.dim() > 2 and p.shape[0] > 1]
@@ -248,7 +257,8 @@ def _experts_modules(model: nn.Module) -> _Experts | None:
         else:
             return None
         devices.update(p.device.type for p in stacked)
-    return _Experts(tuple(configs), frozenset(devices), every_expert)
+    routes = bool(configs) or every_expert or routing_names
+    return _Experts(tuple(configs), frozenset(devices), every_expert, routes)
 
 
 def _cached_positions(cache: Any) -> int | None:

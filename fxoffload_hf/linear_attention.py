@@ -196,17 +196,18 @@ def _mamba2_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, step
     heads, head_dim, state, groups, _kernel, chunk = sizes
     inner, channels = heads * head_dim, heads * head_dim + 2 * groups * state
     # per position, in the model's dtype: the input projection (gate, convolution's input, time steps),
-    # the convolution's output and activation, the gated norm and its output; twice over
-    projected = 2 * (2 * inner + 3 * channels + heads + 4 * inner) * itemsize
+    # the convolution's output and activation, the gated norm and its output
+    projected = (2 * inner + 3 * channels + heads + 4 * inner) * itemsize
     states = 6 * heads * head_dim * state * _FP32  # the state, and the copies a step or a chunk makes
     if stepping:
         return batch * (tokens * projected + states)
-    # a prompt's chunked scan, padded to whole chunks, in fp32: per position and head its inputs (cast,
-    # scaled, padded, chunked, the skip connection), B and C repeated to every head and decayed, the
-    # outputs within and across chunks; the chunk's segment sums, decays and products (a row of the
-    # chunk each, a few of them); per chunk, every head's state a few times over
+    # a prompt's chunked scan, padded to whole chunks, in fp32, per position and head: a row of the chunk
+    # for its decays, its products of C and B and their decayed copy (3 held at once: measured at Mamba-2
+    # 130M's sizes), B and C repeated to every head and chunked (4), its inputs and outputs (cast,
+    # scaled, chunked, the skip connection, within and across chunks: 7); one more of each; per chunk,
+    # every head's state a few times over
     padded = -(-tokens // chunk) * chunk
-    scanned = padded * heads * (12 * head_dim + 8 * state + 8 * chunk) * _FP32
+    scanned = padded * heads * (8 * head_dim + 5 * state + 4 * chunk) * _FP32
     per_chunk = 4 * (padded // chunk + 1) * heads * head_dim * state * _FP32
     return batch * (tokens * projected + scanned + per_chunk + states)
 

@@ -183,6 +183,25 @@ def test_the_bound_covers_what_routed_experts_hold_eagerly(arch, checkpoint_conf
             _assert_bounds_cover_prefill_and_step(model, 2, tokens)
 
 
+@pytest.mark.parametrize("pattern", ["M*-", "M*E"])
+def test_experts_count_only_where_the_layers_route(pattern):
+    """Nemotron-H's config keeps its mixture-of-experts variant's expert sizes whatever its layers: a
+    pattern without ``E`` layers builds no experts, and their width does not move the bound; with them,
+    it does."""
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    bounds = []
+    for width in (64, 7688):
+        config = transformers.NemotronHConfig(
+            hidden_size=128, vocab_size=1000, n_groups=1, chunk_size=16, num_hidden_layers=3,
+            hybrid_override_pattern=pattern, mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=16,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=width,
+        )  # fmt: skip
+        bounds.append(eager_call_bytes(transformers.AutoModelForCausalLM.from_config(config), (ids,), {}))
+    assert None not in bounds
+    assert (bounds[0] == bounds[1]) == ("E" not in pattern)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_bound_covers_latent_attention_over_long_prompts_in_any_precision(dtype, checkpoint_config):
     """Measured from the allocator: latent attention's keys are wider than its values, so attention runs
@@ -206,6 +225,19 @@ def test_the_bound_covers_gated_delta_net_at_its_real_head_sizes():
     _assert_bounds_cover_prefill_and_step(
         transformers.AutoModelForCausalLM.from_config(config).eval(), 1, 512
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_bound_covers_mamba2_at_its_real_sizes(dtype):
+    """Measured from the allocator at Mamba-2 130M's sizes (24 heads of 64, states of 128, chunks of 256),
+    a prompt of two chunks and a half, then a decode step: the tiny models below have chunks of 16."""
+    config = transformers.Mamba2Config(
+        hidden_size=768, num_heads=24, head_dim=64, state_size=128, n_groups=1, chunk_size=256, expand=2,
+        num_hidden_layers=2, vocab_size=1000,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().to(dtype)
+    _assert_bounds_cover_prefill_and_step(model, 1, 640)
 
 
 def _empty_cache(model: torch.nn.Module) -> transformers.Cache:
