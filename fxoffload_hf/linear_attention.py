@@ -1,8 +1,8 @@
 """Layers Transformers caches as linear attention, from the config alone: Gated DeltaNet's (Qwen3-Next,
-Qwen3.5, OLMo hybrid, LaraMini), Mamba's (Mamba, Falcon-Mamba, Jamba), Mamba-2's (Mamba-2, Nemotron-H,
-Bamba, Falcon-H1, Zamba 2, Granite 4), Kimi's delta attention (Kimi Linear, Bailing hybrid), LFM2's
-short convolutions and MiniMax's Lightning attention: the states their cache keeps, and what one such
-layer holds while it computes eagerly.
+Qwen3.5, OLMo hybrid, LaraMini), Mamba's (Mamba, Falcon-Mamba, Jamba, and Zamba's, in heads that scan one
+after another), Mamba-2's (Mamba-2, Nemotron-H, Bamba, Falcon-H1, Zamba 2, Granite 4), Kimi's delta
+attention (Kimi Linear, Bailing hybrid), LFM2's short convolutions and MiniMax's Lightning attention: the
+states their cache keeps, and what one such layer holds while it computes eagerly.
 
 Transformers caches such a layer as a ``LinearAttentionLayer``: its convolution's last inputs (in the
 model's dtype) and its recurrent states (in fp32, as the kernels compute them), both written in place,
@@ -25,7 +25,7 @@ whatever the length. Without the ``fla`` or ``mamba_ssm`` kernels (the CPU) its 
   one at a time.
 
 The bound here counts them generously, for the layer that holds the most (layers compute one after
-another). Other linear attention (RG-LRU, RWKV, xLSTM, Zamba's multi-head Mamba) is not read.
+another). Other linear attention (RG-LRU, RWKV, xLSTM) is not read.
 """
 
 from __future__ import annotations
@@ -152,35 +152,38 @@ def _short_conv_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, 
     return batch * tokens * 2 * 8 * sizes[0] * itemsize
 
 
-# Mamba: inner width, state size, kernel, time-step rank
+# Mamba: inner width, state size, kernel, time-step rank, heads (Zamba's; 1 elsewhere)
 def _mamba_sizes(config: Any) -> Sizes | None:
-    """Mamba's and Falcon-Mamba's names, or Jamba's (inner width: expand x hidden); None for Mamba-2's
-    groups of heads and Zamba's heads."""
-    if any(_value(config, name) is not None for name in ("n_groups", "n_mamba_heads")):
+    """Mamba's and Falcon-Mamba's names, or Jamba's and Zamba's (inner width: expand x hidden; Zamba
+    splits it into heads that scan one after another); None for Mamba-2's groups of heads."""
+    if any(_value(config, name) is not None for name in ("n_groups", "mamba_ngroups", "mamba_n_groups")):
         return None
     mamba = _named("intermediate_size", "state_size", "conv_kernel", "time_step_rank")(config)
     if mamba is not None:
-        return mamba
+        return (*mamba, 1)
     jamba = _named("mamba_expand", "mamba_d_state", "mamba_d_conv", "mamba_dt_rank", "hidden_size")(config)
     if jamba is None:
         return None
     expand, state, kernel, rank, hidden = jamba
-    return expand * hidden, state, kernel, rank
+    heads = _value(config, "n_mamba_heads") or 1
+    return expand * hidden, state, kernel, rank, heads
 
 
 def _mamba_state(sizes: Sizes, batch: int, itemsize: int) -> int:
-    inner, state, kernel, _rank = sizes
+    inner, state, kernel, _rank, _heads = sizes
     return batch * inner * (kernel * itemsize + state * _FP32)
 
 
 def _mamba_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
-    inner, state, _kernel, rank = sizes
+    inner, state, _kernel, rank, heads = sizes
     # per position, in the model's dtype: the input projection (twice the inner width), the convolution's
-    # input, output and activation, the time step and its projection, the scan's output and gate; twice
-    projected = 2 * (10 * inner + 2 * (rank + 2 * state)) * itemsize
+    # input, output and activation, the time step and its projection (per head), the scan's output and
+    # gate; twice
+    projected = 2 * (10 * inner + 2 * heads * (rank + 2 * state)) * itemsize
     # in fp32: a prompt's discretised A, B and B times the input for every position (and the product
-    # before A's exponential), the time step and each position's output; a step's state, copied a few times
-    scanned = (4 * inner * state + 4 * inner) * _FP32
+    # before A's exponential) of the head scanning, the time step and each position's output; a step's
+    # state, copied a few times
+    scanned = (4 * (inner // heads) * state + 4 * inner) * _FP32
     states = (6 if stepping else 3) * inner * state * _FP32
     return batch * (tokens * (projected + (0 if stepping else scanned)) + states)
 
@@ -260,7 +263,7 @@ _MAMBA2 = (
     ("n_mamba_heads", "mamba_headdim", "mamba_d_state", "mamba_ngroups", "mamba_d_conv", "chunk_size"),  # Zamba 2
 )  # fmt: skip
 # the modules whose torch code is read, where their names share no ending
-_MAMBA_MIXERS = frozenset({"MambaMixer", "FalconMambaMixer", "JambaMambaMixer"})
+_MAMBA_MIXERS = frozenset({"MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer"})
 _MAMBA2_MIXERS = frozenset({
     "Mamba2Mixer", "NemotronHMamba2Mixer", "BambaMixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer",
     "Zamba2MambaMixer",

@@ -165,6 +165,11 @@ def checkpoint_config(arch: str):
             **mamba2, num_hidden_layers=4, num_key_value_heads=4, n_mamba_heads=8, mamba_headdim=16,
             mamba_ngroups=1, chunk_size=16, layers_block_type=["mamba", "hybrid"] * 2,
         )  # fmt: skip
+    if arch == "zamba":  # Mamba layers of two heads that scan one after the other, shared attention blocks
+        return tf.ZambaConfig(
+            hidden_size=128, num_attention_heads=4, num_key_value_heads=4, intermediate_size=256, vocab_size=1000,
+            num_hidden_layers=4, n_mamba_heads=2, layers_block_type=["mamba", "hybrid"] * 2,
+        )  # fmt: skip
     if arch == "granitemoehybrid":
         return tf.GraniteMoeHybridConfig(
             **mamba2, num_hidden_layers=2, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16,

@@ -307,7 +307,7 @@ def _linear_attention(arch: str, checkpoint_config) -> torch.nn.Module:
             head_dim=32, intermediate_size=256, mamba_d_ssm=256, mamba_n_heads=8, mamba_d_head=32,
             mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16, pad_token_id=0,
         )  # fmt: skip
-    else:  # zamba2, granitemoehybrid, lfm2, lfm3, kimi_linear, bailing_hybrid, minimax
+    else:  # zamba, zamba2, granitemoehybrid, lfm2, lfm3, kimi_linear, bailing_hybrid, minimax
         config = checkpoint_config(arch)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -317,7 +317,7 @@ def _linear_attention(arch: str, checkpoint_config) -> torch.nn.Module:
 # attention (and experts)
 LINEAR_ATTENTION = [
     "qwen3_next", "olmo_hybrid", "mamba", "falcon_mamba", "jamba", "mamba2", "nemotron_h", "falcon_h1", "zamba2",
-    "granitemoehybrid", "lfm2", "lfm3", "kimi_linear", "bailing_hybrid", "minimax",
+    "zamba", "granitemoehybrid", "lfm2", "lfm3", "kimi_linear", "bailing_hybrid", "minimax",
 ]  # fmt: skip
 
 

@@ -167,12 +167,13 @@ def test_the_prediction_is_the_cache_eager_generate_leaves(config):
 
 
 @pytest.mark.parametrize(
-    "arch", ["zamba2", "granitemoehybrid", "lfm2", "lfm3", "kimi_linear", "bailing_hybrid", "minimax"]
+    "arch",
+    ["zamba", "zamba2", "granitemoehybrid", "lfm2", "lfm3", "kimi_linear", "bailing_hybrid", "minimax"],
 )
 def test_the_prediction_is_the_cache_of_hybrids(arch, checkpoint_config):
-    """Shared attention blocks at Zamba 2's hybrid layers; Mamba-2 layers beside routed experts; LFM2's
-    short convolutions beside attention; Kimi's delta attention beside latent attention; MiniMax's Lightning
-    attention, whose state its own cache keeps."""
+    """Shared attention blocks at Zamba's and Zamba 2's hybrid layers (Zamba's Mamba layers of two
+    heads); Mamba-2 layers beside routed experts; LFM2's short convolutions beside attention; Kimi's delta
+    attention beside latent attention; MiniMax's Lightning attention, whose state its own cache keeps."""
     _assert_predicted_as_generate_leaves(checkpoint_config(arch))
 
 
