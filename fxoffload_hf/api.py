@@ -15,7 +15,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from fxoffload_hf import align, eager_paths, entries, host_room, tiles
+from fxoffload_hf import align, eager_paths, entries, host_room, tiles, weight_rescaling
 from fxoffload_hf.capture import (
     HANDLE_ATTR,
     GhostHandle,
@@ -126,6 +126,7 @@ def offload(
     store = WeightStore(config.device, drop_cache=memory_limit() is not None)
     engine: Engine | None = None
     try:
+        weight_rescaling.divide_as_used(model, undo)  # before the modules' forwards are wrapped
         fixed = _move_small_parameters(small, store, checkpoint, config.device, undo)
         fixed += _move_buffers(model, config.device, undo)
         memory = MemoryModel.where_it_computes(

@@ -44,6 +44,7 @@ from fxoffload_hf.memory_model import MemoryModel, format_bytes
 from fxoffload_hf.progress import report
 from fxoffload_hf.safetensors_io import TensorSlice
 from fxoffload_hf.weight_record import WeightRecord
+from fxoffload_hf.weight_rescaling import weight_write_error
 from fxoffload_hf.weights import WeightStore
 
 
@@ -57,6 +58,7 @@ class _Lent:
     file pages its views use."""
 
     swapped: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # each ghost's version once lent: a write bumps it
     mapped: MappedGroup | None = None
 
 
@@ -190,6 +192,7 @@ class EagerWeights:
             for ghost, value in zip(ghosts, self._values(module, ghosts, lent), strict=True):
                 lent.swapped.append((ghost, ghost.data))
                 ghost.data = value
+                lent.versions.append(ghost._version)
                 if lends_grad_flag:  # as the runner's weights do (``loaders.as_parameters``)
                     ghost.requires_grad_(_record(ghost).requires_grad)
             self._read_ahead_after(module)
@@ -339,7 +342,9 @@ class EagerWeights:
         if torch.compiler.is_dynamo_compiling() or not self._lent.get(module):
             return
         with uncounted():
-            self._release(module)
+            written = self._release(module)
+        if written:
+            raise weight_write_error(written[0], "in an eager call")
 
     def mark(self) -> int:
         """How many lends are open now: give it to ``unwind``."""
@@ -350,7 +355,9 @@ class EagerWeights:
         while len(self._order) > mark:
             self._release(self._order[-1])
 
-    def _release(self, module: nn.Module) -> None:
+    def _release(self, module: nn.Module) -> list[str]:
+        """Take back what ``module``'s last call was lent; the names of the weights it wrote into."""
+        written: list[str] = []
         try:
             for i in range(len(self._order) - 1, -1, -1):
                 if self._order[i] is module:
@@ -358,6 +365,9 @@ class EagerWeights:
                     break
             stack = self._lent[module]
             lent = stack.pop()
+            for (ghost, _held), version in zip(lent.swapped, lent.versions, strict=False):
+                if ghost._version != version:
+                    written.append(_record(ghost).name)
             for ghost, held in reversed(lent.swapped):
                 ghost.data = held
                 ghost.requires_grad_(False)
@@ -367,6 +377,7 @@ class EagerWeights:
                 del self._lent[module]
         finally:
             self.lock.release()
+        return written
 
     def _warn_once(self, module: nn.Module, loaded: int) -> None:
         if module in self.warned:

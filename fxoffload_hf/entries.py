@@ -108,7 +108,7 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                     smaller = engine.deferral.or_eagerly(refused)  # eager calls may need less
                     if smaller is not refused:
                         raise smaller from None
-                if refused is not exc and isinstance(refused, ValueError):
+                if refused is not exc and isinstance(refused, (ValueError, NotImplementedError)):
                     raise refused from None
                 raise
             finally:

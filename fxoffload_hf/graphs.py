@@ -6,6 +6,7 @@ Pure functions of an ``fx.Graph`` and its example inputs (no IO, no engine): the
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from fxoffload_hf.capture import handle_of
 from fxoffload_hf.kv_disk import paged_out_bytes
 from fxoffload_hf.memory_model import nbytes
 from fxoffload_hf.row_lookups import LOOKUPS
+from fxoffload_hf.weight_rescaling import weight_write_error
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,8 @@ class GraphFacts:
 
 
 def graph_facts(gm: fx.GraphModule, example_inputs: list[Any]) -> GraphFacts:
-    """Find the weights among ``gm``'s placeholders from their ghosts, and measure the graph."""
+    """Find the weights among ``gm``'s placeholders from their ghosts, and measure the graph; raise where it
+    writes into a weight (``refuse_weight_writes``)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names: dict[fx.Node, str] = {}
     positions: dict[fx.Node, int] = {}
@@ -43,6 +46,7 @@ def graph_facts(gm: fx.GraphModule, example_inputs: list[Any]) -> GraphFacts:
             names[node] = handle.record.name
             positions[node] = index
             weight_bytes[node] = handle.record.footprint
+    refuse_weight_writes(gm.graph, names)
     at = {node: i for i, node in enumerate(placeholders)}
     own = [
         example_inputs[at[n]] for n in call_inputs(gm.graph, set(weight_bytes)) if at[n] < len(example_inputs)
@@ -228,6 +232,33 @@ def _hint(dim: Any) -> int:
     node = getattr(dim, "node", None)
     hint = getattr(node, "hint", None)
     return int(hint) if hint is not None else 1
+
+
+# Python's in-place operators, as dynamo records ``w /= 2`` (a method ending in ``_`` records ``w.div_(2)``)
+_IN_PLACE_OPERATORS = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+    operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+})  # fmt: skip
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_"})  # end in ``_`` but leave the values
+
+
+def refuse_weight_writes(graph: fx.Graph, names: dict[fx.Node, str]) -> None:
+    """Raise where the graph writes into a weight in place (``w.div_(2)``, ``w /= 2``, ``w.copy_(x)``): an
+    offloaded weight is read afresh at each use, so the write would be lost and the output differ from
+    eager's. Models known to do so are changed not to first (``weight_rescaling``)."""
+    for weight, name in names.items():
+        for user in weight.users:
+            if not user.args or user.args[0] is not weight:
+                continue
+            target = user.target
+            label = target if isinstance(target, str) else getattr(target, "__name__", str(target))
+            writes = (
+                (user.op == "call_method" and isinstance(target, str) and label.endswith("_"))
+                or (user.op == "call_function" and target in _IN_PLACE_OPERATORS)
+                or (user.op == "call_function" and label.endswith("_") and not label.startswith("_"))
+            )
+            if writes and label not in _NOT_WRITES:
+                raise weight_write_error(name, f"`{label}`")
 
 
 def only_row_lookups(weight: fx.Node) -> bool:
