@@ -56,7 +56,8 @@ _SHAPE_FREE = {
     "return_dict",
 }
 _TOKEN_INPUTS = ("input_ids", "decoder_input_ids")  # an encoder-decoder's: both computed in one call
-_CACHES = ("cache", "past_key_values")  # Transformers 5.25's name for the cache argument, and earlier ones'
+# Transformers 5.25's name for the cache argument, earlier ones', and RWKV's state (five tensors)
+_CACHES = ("cache", "past_key_values", "state")
 # the MLP's intermediate width under the names configs give it; the counts of routed experts, the experts
 # each token is routed to, and an expert's intermediate width
 _INNER_WIDTHS = ("intermediate_size", "ffn_dim", "n_inner", "d_ff")
@@ -265,6 +266,8 @@ def _cached_positions(cache: Any) -> int | None:
     """Positions already in the cache a call is passed (0 without one); None where it cannot be read."""
     if cache is None:
         return 0
+    if isinstance(cache, list) and cache and all(isinstance(t, torch.Tensor) for t in cache):
+        return 1  # RWKV's state: positions went through it, how many does not change what a call holds
     length = getattr(cache, "get_seq_length", None)
     if not callable(length):
         return None

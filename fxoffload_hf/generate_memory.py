@@ -31,7 +31,7 @@ from fxoffload_hf.memory_model import BudgetTooSmallError, format_bytes
 from fxoffload_hf.micro_batches import split_generate
 from fxoffload_hf.reserved_cache import on_disk, reserves
 
-_CACHE_ARGUMENTS = {"cache", "past_key_values"}  # Transformers 5.25's name, and earlier versions'
+_CACHE_ARGUMENTS = {"cache", "past_key_values", "state"}  # Transformers 5.25's name, earlier ones', RWKV's
 
 
 def predictable_cache(model: nn.Module) -> bool:

@@ -160,6 +160,9 @@ def predicted_cache_bytes(config: Any, batch: int, length: int, itemsize: int) -
     """Bytes of the cache of ``batch`` sequences after ``length`` tokens (latent attention's latents,
     indexed layers' indexer keys and linear-attention layers' states too); None where not predicted."""
     text = text_config(config)
+    own = linear_attention.own_state_bytes(text, batch, itemsize)
+    if own is not None:
+        return own  # RWKV's: outside Transformers' caches
     kinds = _layer_kinds(text)  # read once: Transformers builds every layer's kind from the config
     linear = linear_attention.is_read(text)
     positions = _positions(text, length, _FULL, kinds, linear)

@@ -25,7 +25,13 @@ whatever the length. Without the ``fla`` or ``mamba_ssm`` kernels (the CPU) its 
   one at a time.
 
 The bound here counts them generously, for the layer that holds the most (layers compute one after
-another). Other linear attention (RG-LRU, RWKV, xLSTM) is not read.
+another). Other linear attention (RG-LRU, xLSTM) is not read.
+
+RWKV keeps its state outside Transformers' caches (``state``, five tensors of every layer, whatever the
+length: the last inputs of its attention and feed-forward in the model's dtype, the attention's numerator,
+denominator and running maximum in fp32), and computes a prompt one position at a time: a layer holds its
+per-token states (which the dense bound counts) and a few copies of its state (``own_state_bytes``,
+``computing_bytes``).
 """
 
 from __future__ import annotations
@@ -304,6 +310,21 @@ _FAMILIES = (
 )
 
 
+_RWKV_STEP_COPIES = 12  # fp32 copies of one layer's attention state a position's update holds at once
+
+
+def own_state_bytes(config: Any, batch: int, itemsize: int) -> int | None:
+    """Bytes of the state RWKV keeps outside Transformers' caches for ``batch`` sequences, at any length;
+    None for other models."""
+    if _value(config, "model_type") != "rwkv":
+        return None
+    sizes = _named("hidden_size", "num_hidden_layers")(config)
+    if sizes is None:
+        return None
+    hidden, layers = sizes
+    return batch * hidden * layers * (2 * itemsize + 3 * _FP32)
+
+
 def _family(config: Any) -> tuple[_Family, Sizes] | None:
     """The family ``config`` (a decoder's text config) states the sizes of, and those sizes."""
     return next(((f, sizes) for f in _FAMILIES if (sizes := f.sizes(config)) is not None), None)
@@ -330,6 +351,11 @@ def computing_bytes(
     its layers are not of one family whose config and modules are read here."""
     if model not in _module_names:
         _module_names[model] = frozenset(type(m).__name__ for m in model.modules())
+    if own_state_bytes(config, batch, itemsize) is not None:
+        width = _named("attention_hidden_size")(config)
+        if width is None or "RwkvSelfAttention" not in _module_names[model]:
+            return None
+        return batch * width[0] * _RWKV_STEP_COPIES * _FP32
     present = [f for f in _FAMILIES if any(f.is_layer(name) for name in _module_names[model])]
     linear = bool(KINDS & set(_value(config, "layer_types") or ()))
     if not (linear or present):

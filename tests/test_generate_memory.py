@@ -177,6 +177,19 @@ def test_the_prediction_is_the_cache_of_hybrids(arch, checkpoint_config):
     _assert_predicted_as_generate_leaves(checkpoint_config(arch))
 
 
+def test_the_prediction_is_rwkvs_state():
+    """RWKV keeps its state outside Transformers' caches: five tensors of every layer, two in the model's
+    dtype and three in fp32, whatever the length; a generate's is predicted as a call leaves it."""
+    config = tf.RwkvConfig(vocab_size=1000, hidden_size=64, attention_hidden_size=64, num_hidden_layers=3)
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tf.AutoModelForCausalLM.from_config(config).eval().to(dtype)
+        ids = torch.randint(1, 1000, (3, 7), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            held = sum(t.nbytes for t in model(ids, use_cache=True).state)
+        assert final_kv_bytes(model, (ids,), {"max_new_tokens": 5}) == held > 0
+
+
 def _assert_predicted_as_generate_leaves(config) -> None:
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).eval()

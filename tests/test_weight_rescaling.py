@@ -22,8 +22,13 @@ CONFIG = dict(
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_rwkv_rescaling_its_layers_gives_eagers_outputs(tmp_path, dtype):
+@pytest.mark.parametrize(
+    "dtype, capture",
+    [(torch.float32, "first-call"), (torch.float16, "first-call"), (torch.float32, "deferred")],
+    ids=["fp32-captured", "fp16-captured", "fp32-eager"],
+)
+def test_rwkv_rescaling_its_layers_gives_eagers_outputs(tmp_path, dtype, capture):
+    """Captured (pieces), and as eager calls (RWKV's calls are bounded: ``linear_attention``)."""
     torch.manual_seed(0)
     config = transformers.RwkvConfig(**CONFIG)
     transformers.AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(tmp_path)
@@ -33,13 +38,18 @@ def test_rwkv_rescaling_its_layers_gives_eagers_outputs(tmp_path, dtype):
         want, want_tokens = eager(ids).logits, eager.generate(ids, **GREEDY)
     assert eager.rwkv.layers_are_rescaled  # the eager model divided its weights at its first call
 
-    model = fxoffload_hf.from_pretrained(tmp_path, dtype=dtype, cpu_memory=3_000_000, device="cpu")
+    model = fxoffload_hf.from_pretrained(
+        tmp_path, dtype=dtype, cpu_memory=3_000_000, device="cpu", capture=capture
+    )
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want)
         assert torch.equal(model.generate(ids, **GREEDY), want_tokens)
         assert torch.equal(model(ids).logits, want)  # a later call too: nothing divided twice
     stats = fxoffload_hf.engine_of(model).stats
-    assert stats.pieces_run > stats.runs  # several pieces per call
+    if capture == "deferred":
+        assert stats.eager_calls == 6 and stats.runs == 0  # two forwards, a prefill and three steps
+    else:
+        assert stats.pieces_run > stats.runs  # several pieces per call
 
     fxoffload_hf.restore(model)
 
