@@ -272,9 +272,12 @@ def _cached_positions(cache: Any) -> int | None:
     if not callable(length):
         return None
     try:
-        return int(length())
+        first = int(length())
     except Exception:  # noqa: BLE001 - a cache kind that cannot tell its length this way
         return None
+    # the longest layer's: a hybrid's first layer may be one whose states its modules keep (RG-LRU's)
+    layers = [layer for layer in getattr(cache, "layers", None) or () if hasattr(layer, "get_seq_length")]
+    return max([first, *(int(layer.get_seq_length()) for layer in layers)])
 
 
 def _kept_positions(logits_to_keep: Any, queries: int) -> int:

@@ -25,7 +25,8 @@ whatever the length. Without the ``fla`` or ``mamba_ssm`` kernels (the CPU) its 
   one at a time.
 
 The bound here counts them generously, for the layer that holds the most (layers compute one after
-another). Other linear attention (RG-LRU, xLSTM) is not read.
+another). RecurrentGemma's RG-LRU keeps its states in its modules (not in the cache), in fp32 and the
+model's dtype, and scans a prompt one position at a time. Other linear attention (xLSTM) is not read.
 
 RWKV keeps its state outside Transformers' caches (``state``, five tensors of every layer, whatever the
 length: the last inputs of its attention and feed-forward in the model's dtype, the attention's numerator,
@@ -257,6 +258,22 @@ def _lightning_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, s
     return batch * (tokens * projected + per_block + states)
 
 
+# RG-LRU (RecurrentGemma's): its width, the convolution's width, the hidden size
+def _rg_lru_state(sizes: Sizes, batch: int, itemsize: int) -> int:
+    width, kernel, hidden = sizes
+    # its recurrent state in fp32 and its convolution's last inputs (set up at the hidden size, kept at the
+    # width once a prompt ran), in the model's dtype: kept by its modules, not by the cache
+    return batch * (width * _FP32 + max(width, hidden) * (kernel - 1) * itemsize)
+
+
+def _rg_lru_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
+    width, _kernel, _hidden = sizes
+    # per position: the two branches, the convolution's output, the gates (each twice: their products and
+    # sigmoids), the recurrence's decay, its square and the normaliser, the gated and normalised inputs,
+    # the scan's outputs and the gated output, counted in fp32; a position's state a few times over
+    return batch * (tokens * 16 * width * _FP32 + 4 * width * _FP32)
+
+
 # the config attributes each family's models name their sizes by
 _GATED_DELTA_NET = (
     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -301,6 +318,12 @@ _FAMILIES = (
         _mamba2_computing,
     ),
     _Family(_mamba_sizes, lambda name: name in _MAMBA_MIXERS, _mamba_state, _mamba_computing),
+    _Family(
+        _named("lru_width", "conv1d_width", "hidden_size"),
+        lambda name: name == "RecurrentGemmaRecurrentBlock",
+        _rg_lru_state,
+        _rg_lru_computing,
+    ),
     _Family(
         _lightning_sizes,
         lambda name: name.endswith("LightningAttention"),

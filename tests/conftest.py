@@ -197,6 +197,11 @@ def checkpoint_config(arch: str):
             num_key_value_heads=2, head_dim=32, vocab_size=1000, num_local_experts=4, num_experts_per_tok=2,
             block_size=16, layer_types=["linear_attention", "full_attention"],
         )  # fmt: skip
+    if arch == "zaya":  # attention and a convolution of its own in every layer, routed experts: unread
+        return tf.ZayaConfig(
+            vocab_size=1000, hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+            head_dim=32, moe_intermediate_size=128, num_experts=4, layer_types=["hybrid"] * 3,
+        )  # fmt: skip
     if arch == "recurrent_gemma":  # RG-LRU recurrences, then local attention of two key heads of 16
         return tf.RecurrentGemmaConfig(
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,

@@ -73,12 +73,12 @@ def test_calls_the_bound_cannot_read_have_none(build_model, checkpoint_config):
     assert eager_call_bytes(llama, (ids, ids), {}) is None
     assert eager_call_bytes(llama, (ids[0],), {}) is None  # not a batch of token ids
     assert eager_call_bytes(build_model("mlp"), (torch.ones(2, 256),), {}) is None  # no config
-    # layers other than attention beside attention whose kernels the bound does not read: RecurrentGemma's
-    # RG-LRU (a tiny Falcon-H1's Mamba-2 layers held 465 MiB against a dense bound of 0.04 MiB before their
-    # own term, ``linear_attention``)
+    # layers other than attention beside attention whose kernels the bound does not read: Zaya's own
+    # convolutions (a tiny Falcon-H1's Mamba-2 layers held 465 MiB against a dense bound of 0.04 MiB before
+    # their own term, ``linear_attention``)
     with torch.device("meta"):
-        recurrent = transformers.AutoModelForCausalLM.from_config(checkpoint_config("recurrent_gemma"))
-    assert eager_call_bytes(recurrent, (ids,), {}, "cpu") is None
+        hybrid = transformers.AutoModelForCausalLM.from_config(checkpoint_config("zaya"))
+    assert eager_call_bytes(hybrid, (ids,), {}, "cpu") is None
     # attention whose heads the config does not state (latents are cached without them; the scores are not
     # bounded): only a model of linear-attention layers alone may have none
     with torch.device("meta"):
@@ -267,6 +267,23 @@ def test_the_bound_covers_rwkv(hidden):
         assert bound is not None and bound >= decode
 
 
+def test_the_bound_covers_rg_lru_at_recurrentgemmas_width():
+    """Measured from the allocator at RecurrentGemma 2B's width (2,560, one key head of 256): a prompt of
+    512 positions, scanned one at a time, then a step. Its RG-LRU layer comes first and keeps its states in
+    its module, so the cache's first layer holds no positions: the step's bound reads the longest layer's."""
+    config = transformers.RecurrentGemmaConfig(
+        num_hidden_layers=2, vocab_size=1000, hidden_size=2560, lru_width=2560, intermediate_size=3840,
+        num_attention_heads=10, num_key_value_heads=1, attention_window_size=2048,
+        block_types=["recurrent", "attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with no_init_weights():  # random values serve, without the initialisation's cost at this width
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    for parameter in model.parameters():
+        parameter.data.normal_(0, 0.02)
+    _assert_bounds_cover_prefill_and_step(model, 1, 512)
+
+
 def _empty_cache(model: torch.nn.Module) -> transformers.Cache:
     """The cache a generate of ``model`` starts with: Transformers' dynamic cache, or MiniMax's own."""
     if isinstance(model, transformers.MiniMaxForCausalLM):
@@ -334,7 +351,7 @@ def _linear_attention(arch: str, checkpoint_config) -> torch.nn.Module:
             head_dim=32, intermediate_size=256, mamba_d_ssm=256, mamba_n_heads=8, mamba_d_head=32,
             mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16, pad_token_id=0,
         )  # fmt: skip
-    else:  # zamba, zamba2, granitemoehybrid, lfm2, lfm3, kimi_linear, bailing_hybrid, minimax
+    else:  # zamba, zamba2, granitemoehybrid, lfm2, lfm3, kimi_linear, bailing_hybrid, minimax, RG-LRU
         config = checkpoint_config(arch)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -344,7 +361,7 @@ def _linear_attention(arch: str, checkpoint_config) -> torch.nn.Module:
 # attention (and experts)
 LINEAR_ATTENTION = [
     "qwen3_next", "olmo_hybrid", "mamba", "falcon_mamba", "jamba", "mamba2", "nemotron_h", "falcon_h1", "zamba2",
-    "zamba", "granitemoehybrid", "lfm2", "lfm3", "kimi_linear", "bailing_hybrid", "minimax",
+    "zamba", "granitemoehybrid", "lfm2", "lfm3", "kimi_linear", "bailing_hybrid", "minimax", "recurrent_gemma",
 ]  # fmt: skip
 
 

@@ -44,13 +44,13 @@ def test_no_prediction_where_the_cache_holds_something_else(checkpoint_config):
         assert not predictable_cache(
             tf.OpenAIGPTLMHeadModel(tf.OpenAIGPTConfig(n_layer=2, n_embd=64, n_head=2))
         )
-    # RG-LRU layers beside attention ones hold states not sized here; Gated DeltaNet's, Mamba's, Mamba-2's
-    # and Lightning attention's layers' states are predicted (below)
-    hybrid = checkpoint_config("recurrent_gemma")
+    # Zaya's hybrid layers (attention and a convolution of its own) hold states not sized here; Gated
+    # DeltaNet's, Mamba's, Mamba-2's, RG-LRU's and Lightning attention's layers' states are predicted (below)
+    hybrid = checkpoint_config("zaya")
     assert not predictable_cache(_tiny(hybrid))
     # the plan's figure for them stays an upper bound: every layer's keys and values at full attention
-    # (2 layers, 2 sequences, keys and values of 2 heads of 16, 100 positions, fp32)
-    assert kv_cache_bytes(hybrid, 2, 100, 4) == 2 * 2 * 2 * 2 * 16 * 100 * 4
+    # (3 layers, 2 sequences, keys and values of 1 head of 32, 100 positions, fp32)
+    assert kv_cache_bytes(hybrid, 2, 100, 4) == 3 * 2 * 2 * 1 * 32 * 100 * 4
     assert predictable_cache(_tiny(checkpoint_config("llama")))
     assert predictable_cache(_tiny(_small(tf.Qwen3NextConfig, **GATED_DELTA_NET)))
 
@@ -175,6 +175,25 @@ def test_the_prediction_is_the_cache_of_hybrids(arch, checkpoint_config):
     heads); Mamba-2 layers beside routed experts; LFM2's short convolutions beside attention; Kimi's delta
     attention beside latent attention; MiniMax's Lightning attention, whose state its own cache keeps."""
     _assert_predicted_as_generate_leaves(checkpoint_config(arch))
+
+
+def test_the_prediction_counts_states_kept_by_modules(checkpoint_config):
+    """RecurrentGemma's RG-LRU layers keep their states in their modules (a recurrent state in fp32, the
+    convolution's last inputs), its attention layers a window of keys and values in the cache: both are
+    predicted, byte for byte, as a greedy generate leaves them."""
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tf.AutoModelForCausalLM.from_config(checkpoint_config("recurrent_gemma")).eval().to(dtype)
+        ids = torch.randint(1, 1000, (3, 7), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            out = model.generate(
+                ids, max_new_tokens=12, return_dict_in_generate=True, **GREEDY
+            )  # past the window
+        kept = [getattr(m, n, None) for m in model.modules() for n in ("recurrent_states", "conv1d_state")]
+        cached = [t for layer in out.past_key_values.layers for t in (getattr(layer, "keys", None),)]
+        cached += [getattr(layer, "values", None) for layer in out.past_key_values.layers]
+        held = sum(t.nbytes for t in kept + cached if isinstance(t, torch.Tensor))
+        assert final_kv_bytes(model, (ids,), {"max_new_tokens": 12}) == held > 0
 
 
 def test_the_prediction_is_rwkvs_state():
