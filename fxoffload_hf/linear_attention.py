@@ -26,7 +26,9 @@ whatever the length. Without the ``fla`` or ``mamba_ssm`` kernels (the CPU) its 
 
 The bound here counts them generously, for the layer that holds the most (layers compute one after
 another). RecurrentGemma's RG-LRU keeps its states in its modules (not in the cache), in fp32 and the
-model's dtype, and scans a prompt one position at a time. Other linear attention (xLSTM) is not read.
+model's dtype, and scans a prompt one position at a time. Zaya's compressed convolutional attention keeps a
+convolution's last inputs and a delayed half of the values beside its keys and values. Other linear
+attention (xLSTM, Inkling's short convolutions) is not read.
 
 RWKV keeps its state outside Transformers' caches (``state``, five tensors of every layer, whatever the
 length: the last inputs of its attention and feed-forward in the model's dtype, the attention's numerator,
@@ -274,6 +276,26 @@ def _rg_lru_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, step
     return batch * (tokens * 16 * width * _FP32 + 4 * width * _FP32)
 
 
+# Zaya's compressed convolutional attention: the two kernels, query and key/value heads, head size
+def _cca_state(sizes: Sizes, batch: int, itemsize: int) -> int:
+    first, second, heads, kv_heads, head_dim = sizes
+    queries, keys = heads * head_dim, kv_heads * head_dim
+    # the convolution's last inputs (queries and keys, over both kernels' reach) and the last position's
+    # delayed half of the values, in the model's dtype
+    return batch * ((queries + keys) * (first + second - 2) + keys // 2) * itemsize
+
+
+def _cca_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
+    first, second, heads, kv_heads, head_dim = sizes
+    queries, keys = heads * head_dim, kv_heads * head_dim
+    # per position, in the model's dtype: the projections, their join, residuals (keys repeated to every
+    # head), the join padded and through both convolutions, the queries and keys they give, the values'
+    # halves and their join; twice over. Once a call: a copy of the grouped convolution's weight (a head's
+    # channels to each channel), which the CPU kernel makes (measured: most of a decode step)
+    per_position = 2 * (8 * (queries + keys) + 2 * queries + 4 * keys) * itemsize
+    return batch * tokens * per_position + (queries + keys) * head_dim * second * itemsize
+
+
 # the config attributes each family's models name their sizes by
 _GATED_DELTA_NET = (
     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -323,6 +345,12 @@ _FAMILIES = (
         lambda name: name == "RecurrentGemmaRecurrentBlock",
         _rg_lru_state,
         _rg_lru_computing,
+    ),
+    _Family(
+        _named("cca_time0", "cca_time1", "num_attention_heads", "num_key_value_heads", "head_dim"),
+        lambda name: name == "ZayaCCAProjection",
+        _cca_state,
+        _cca_computing,
     ),
     _Family(
         _lightning_sizes,
