@@ -32,7 +32,7 @@ _WINDOWED = ("sliding_attention", "chunked_attention")
 # the layer kinds that hold no keys and values per position: a layer reading another's cache or without
 # attention; and, where ``linear_attention`` sizes their states, linear layers other than hybrids
 _POSITIONLESS = frozenset({"dummy"})
-_LINEAR_POSITIONLESS = linear_attention.KINDS - {"hybrid"}
+_LINEAR_POSITIONLESS = linear_attention.KINDS - {"hybrid", "hybrid_sliding"}
 # the Transformers from which latent attention caches its latents (checked on 5.25.0)
 _LATENTS_CACHED = tuple(map(int, re.findall(r"\d+", version("transformers"))[:2])) >= (5, 25)
 
@@ -63,6 +63,9 @@ def _per_position_bytes(text: Any, itemsize: int, kind: str = "full_attention") 
         return (latent + rope + (indexer if isinstance(indexer, int) else 0)) * itemsize
     if kind == "indexed_attention":
         return None
+    sliding = (_attr(text, "swa_num_key_value_heads"), _attr(text, "swa_head_dim"))
+    if kind == "hybrid_sliding" and all(isinstance(v, int) and v > 0 for v in sliding):
+        return 2 * sliding[0] * sliding[1] * itemsize  # Inkling's sliding layers: heads of their own
     heads = _attr(text, "num_attention_heads")
     hidden = _attr(text, "hidden_size")
     if not (isinstance(heads, int) and heads > 0):
@@ -98,7 +101,9 @@ def _positions(
     for kind, layer_kwargs in kinds:
         if kind in full or (linear and kind == "hybrid"):  # a hybrid: full attention beside its states
             positions.append(length)
-        elif kind in _WINDOWED and isinstance(layer_kwargs.get("sliding_window"), int):
+        elif (kind in _WINDOWED or (linear and kind == "hybrid_sliding")) and isinstance(
+            layer_kwargs.get("sliding_window"), int
+        ):
             positions.append(min(length, layer_kwargs["sliding_window"] - 1))
         elif kind in _POSITIONLESS or (linear and kind in _LINEAR_POSITIONLESS):
             positions.append(0)

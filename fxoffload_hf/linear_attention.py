@@ -27,8 +27,9 @@ whatever the length. Without the ``fla`` or ``mamba_ssm`` kernels (the CPU) its 
 The bound here counts them generously, for the layer that holds the most (layers compute one after
 another). RecurrentGemma's RG-LRU keeps its states in its modules (not in the cache), in fp32 and the
 model's dtype, and scans a prompt one position at a time. Zaya's compressed convolutional attention keeps a
-convolution's last inputs and a delayed half of the values beside its keys and values. Other linear
-attention (xLSTM, Inkling's short convolutions) is not read.
+convolution's last inputs and a delayed half of the values beside its keys and values, Inkling's four short
+convolutions theirs, in fp32. Other linear attention (xLSTM, Inkling 2's dynamic short convolutions) is not
+read.
 
 RWKV keeps its state outside Transformers' caches (``state``, five tensors of every layer, whatever the
 length: the last inputs of its attention and feed-forward in the model's dtype, the attention's numerator,
@@ -51,7 +52,7 @@ from fxoffload_hf.linear_families import Sizes
 
 # Transformers' layer types of such layers: alone, beside attention in the same layer (Falcon-H1's), or
 # a short convolution
-KINDS = frozenset({"linear_attention", "hybrid", "conv"})
+KINDS = frozenset({"linear_attention", "hybrid", "hybrid_sliding", "conv"})
 # per model: the class names of its modules
 _module_names: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
 
@@ -128,6 +129,12 @@ _FAMILIES = (
         lambda name: name == "ZayaCCAProjection",
         families.cca_state,
         families.cca_computing,
+    ),
+    _Family(
+        families.inkling_sizes,
+        lambda name: name == "InklingShortConvolution",
+        families.inkling_state,
+        families.inkling_computing,
     ),
     _Family(
         families.lightning_sizes,

@@ -238,3 +238,30 @@ def cca_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, stepping
     # channels to each channel), which the CPU kernel makes (measured: most of a decode step)
     per_position = 2 * (8 * (queries + keys) + 2 * queries + 4 * keys) * itemsize
     return batch * tokens * per_position + (queries + keys) * head_dim * second * itemsize
+
+
+# Inkling's short convolutions (four per layer, in fp32: keys, values, and the hidden states before
+# attention and before the MLP): hidden size, kernel, the widest keys of a layer (sliding layers have
+# heads of their own)
+def inkling_sizes(config: Any) -> Sizes | None:
+    if value(config, "model_type") != "inkling_text":
+        return None  # Inkling 2's configs share these names, and its convolutions are others
+    sizes = named("hidden_size", "conv_kernel_size", "num_key_value_heads", "head_dim")(config)
+    sliding = named("swa_num_key_value_heads", "swa_head_dim")(config)
+    if sizes is None or sliding is None:
+        return None
+    hidden, kernel, kv_heads, head_dim = sizes
+    return hidden, kernel, max(kv_heads * head_dim, sliding[0] * sliding[1])
+
+
+def inkling_state(sizes: Sizes, batch: int, itemsize: int) -> int:
+    hidden, kernel, keys = sizes
+    return batch * 2 * (hidden + keys) * kernel * FP32  # the last inputs of each, a whole kernel's
+
+
+def inkling_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
+    hidden, kernel, keys = sizes
+    # per position and convolution, in fp32: its input cast, masked and transposed, the output padded by
+    # the kernel and cut, transposed back, the residual sum and its cast; the two over the hidden states
+    # run one after the other, the keys' and values' together
+    return batch * (tokens + kernel) * 8 * (hidden + 2 * keys) * FP32

@@ -197,7 +197,14 @@ def checkpoint_config(arch: str):
             num_key_value_heads=2, head_dim=32, vocab_size=1000, num_local_experts=4, num_experts_per_tok=2,
             block_size=16, layer_types=["linear_attention", "full_attention"],
         )  # fmt: skip
-    if arch == "inkling":  # attention and a short convolution of its own in every layer, routed experts
+    if arch == "inkling2":  # attention and dynamic short convolutions of its own, routed experts: unread
+        return tf.CONFIG_MAPPING["inkling2_text"](
+            vocab_size=1000, unpadded_vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=32, swa_num_attention_heads=4, swa_num_key_value_heads=1, swa_head_dim=32,
+            moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+            layer_types=["hybrid_sliding", "hybrid"], eos_token_id=999,
+        )  # fmt: skip
+    if arch == "inkling":  # attention and short convolutions of its own in every layer, routed experts
         return tf.CONFIG_MAPPING["inkling_text"](
             vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
             head_dim=32, swa_num_attention_heads=4, swa_num_key_value_heads=1, swa_head_dim=32, intermediate_size=256,
