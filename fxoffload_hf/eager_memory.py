@@ -56,7 +56,8 @@ _SHAPE_FREE = {
     "return_dict",
 }
 _TOKEN_INPUTS = ("input_ids", "decoder_input_ids")  # an encoder-decoder's: both computed in one call
-# Transformers 5.25's name for the cache argument, earlier ones', and RWKV's state (five tensors)
+# Transformers 5.25's name for the cache argument, earlier ones', and RWKV's state (five tensors: read
+# only for RWKV)
 _CACHES = ("cache", "past_key_values", "state")
 # the MLP's intermediate width under the names configs give it; the counts of routed experts, the experts
 # each token is routed to, and an expert's intermediate width
@@ -104,7 +105,8 @@ def eager_call_bytes(
     hidden, heads, vocab = (_int(text, name) for name in ("hidden_size", "num_attention_heads", "vocab_size"))
     lengths = _token_lengths(inputs)
     cache = next((inputs[n] for n in _CACHES if inputs.get(n) is not None), None)
-    past = _cached_positions(cache)
+    own_state = inputs.get("state") is not None and linear_attention.own_state_bytes(text, 1, 4) is not None
+    past = 1 if own_state else _cached_positions(cache)  # RWKV's: how many positions does not matter
     if lengths is None or past is None or not (hidden and vocab):
         return None
     batch, tokens, decoded = lengths
@@ -266,8 +268,6 @@ def _cached_positions(cache: Any) -> int | None:
     """Positions already in the cache a call is passed (0 without one); None where it cannot be read."""
     if cache is None:
         return 0
-    if isinstance(cache, list) and cache and all(isinstance(t, torch.Tensor) for t in cache):
-        return 1  # RWKV's state: positions went through it, how many does not change what a call holds
     length = getattr(cache, "get_seq_length", None)
     if not callable(length):
         return None

@@ -72,6 +72,7 @@ def test_calls_the_bound_cannot_read_have_none(build_model, checkpoint_config):
     assert eager_call_bytes(llama, (ids,), {"output_hidden_states": True}) is None
     assert eager_call_bytes(llama, (ids, ids), {}) is None
     assert eager_call_bytes(llama, (ids[0],), {}) is None  # not a batch of token ids
+    assert eager_call_bytes(llama, (ids,), {"state": [torch.zeros(2, 128, 3)]}) is None  # RWKV's name only
     assert eager_call_bytes(build_model("mlp"), (torch.ones(2, 256),), {}) is None  # no config
     # layers other than attention beside attention whose kernels the bound does not read: Inkling 2's dynamic
     # short convolutions (a tiny Falcon-H1's Mamba-2 layers held 465 MiB against a dense bound of 0.04 MiB before
