@@ -57,7 +57,7 @@ _SHAPE_FREE = {
 }
 _TOKEN_INPUTS = ("input_ids", "decoder_input_ids")  # an encoder-decoder's: both computed in one call
 # Transformers 5.25's name for the cache argument, earlier ones', and RWKV's state (five tensors: read
-# only for RWKV)
+# only for RWKV, ``linear_attention.own_state_bytes``)
 _CACHES = ("cache", "past_key_values", "state")
 # the MLP's intermediate width under the names configs give it; the counts of routed experts, the experts
 # each token is routed to, and an expert's intermediate width
@@ -105,8 +105,9 @@ def eager_call_bytes(
     hidden, heads, vocab = (_int(text, name) for name in ("hidden_size", "num_attention_heads", "vocab_size"))
     lengths = _token_lengths(inputs)
     cache = next((inputs[n] for n in _CACHES if inputs.get(n) is not None), None)
-    own_state = inputs.get("state") is not None and linear_attention.own_state_bytes(text, 1, 4) is not None
-    past = 1 if own_state else _cached_positions(cache)  # RWKV's: how many positions does not matter
+    # a state of the model's own (RWKV's, xLSTM's): how many positions went through it does not matter
+    own_state = cache is not None and linear_attention.own_state_bytes(text, 1, 4) is not None
+    past = 1 if own_state else _cached_positions(cache)
     if lengths is None or past is None or not (hidden and vocab):
         return None
     batch, tokens, decoded = lengths

@@ -28,14 +28,15 @@ The bound here counts them generously, for the layer that holds the most (layers
 another). RecurrentGemma's RG-LRU keeps its states in its modules (not in the cache), in fp32 and the
 model's dtype, and scans a prompt one position at a time. Zaya's compressed convolutional attention keeps a
 convolution's last inputs and a delayed half of the values beside its keys and values, Inkling's four short
-convolutions theirs, in fp32. Other linear attention (xLSTM, Inkling 2's dynamic short convolutions) is not
-read.
+convolutions theirs, in fp32. Other linear attention (Inkling 2's dynamic short convolutions) is not read.
 
-RWKV keeps its state outside Transformers' caches (``state``, five tensors of every layer, whatever the
-length: the last inputs of its attention and feed-forward in the model's dtype, the attention's numerator,
-denominator and running maximum in fp32), and computes a prompt one position at a time: a layer holds its
-per-token states (which the dense bound counts) and a few copies of its state (``own_state_bytes``,
-``computing_bytes``).
+RWKV and xLSTM keep their states outside Transformers' caches, whatever the length (``own_state_bytes``):
+RWKV in its ``state`` argument (five tensors of every layer: the last inputs of its attention and
+feed-forward in the model's dtype, the attention's numerator, denominator and running maximum in fp32; a
+prompt runs one position at a time, so a layer holds its per-token states, the dense bound's, and a few
+copies of its state), xLSTM in its own ``xLSTMCache`` (per mLSTM layer and head a matrix memory, its
+normaliser and stabiliser, in the model's dtype; a prompt runs through a chunkwise kernel, padded to whole
+chunks, with each chunk's pairwise gate terms).
 """
 
 from __future__ import annotations
@@ -145,19 +146,33 @@ _FAMILIES = (
 )
 
 
-_RWKV_STEP_COPIES = 12  # fp32 copies of one layer's attention state a position's update holds at once
+# models whose whole state one argument of their own keeps (RWKV's ``state``, xLSTM's ``xLSTMCache``): their
+# sizes are the whole model's
+_OWN_STATE = (
+    _Family(
+        families.rwkv_sizes,
+        lambda name: name == "RwkvSelfAttention",
+        families.rwkv_state,
+        families.rwkv_computing,
+    ),
+    _Family(
+        families.xlstm_sizes,
+        lambda name: name == "xLSTMLayer",
+        families.xlstm_state,
+        families.xlstm_computing,
+    ),
+)
+
+
+def _own_state(config: Any) -> tuple[_Family, Sizes] | None:
+    return next(((f, sizes) for f in _OWN_STATE if (sizes := f.sizes(config)) is not None), None)
 
 
 def own_state_bytes(config: Any, batch: int, itemsize: int) -> int | None:
-    """Bytes of the state RWKV keeps outside Transformers' caches for ``batch`` sequences, at any length;
-    None for other models."""
-    if families.value(config, "model_type") != "rwkv":
-        return None
-    sizes = families.named("hidden_size", "num_hidden_layers")(config)
-    if sizes is None:
-        return None
-    hidden, layers = sizes
-    return batch * hidden * layers * (2 * itemsize + 3 * families.FP32)
+    """Bytes of the state a model keeps outside Transformers' caches for ``batch`` sequences, at any length
+    (RWKV's, xLSTM's); None for other models."""
+    found = _own_state(config)
+    return None if found is None else found[0].state(found[1], batch, itemsize)
 
 
 def _family(config: Any) -> tuple[_Family, Sizes] | None:
@@ -186,11 +201,12 @@ def computing_bytes(
     its layers are not of one family whose config and modules are read here."""
     if model not in _module_names:
         _module_names[model] = frozenset(type(m).__name__ for m in model.modules())
-    if own_state_bytes(config, batch, itemsize) is not None:
-        width = families.named("attention_hidden_size")(config)
-        if width is None or "RwkvSelfAttention" not in _module_names[model]:
+    own = _own_state(config)
+    if own is not None:
+        family, sizes = own
+        if not any(family.is_layer(name) for name in _module_names[model]):
             return None
-        return batch * width[0] * _RWKV_STEP_COPIES * families.FP32
+        return family.computing(sizes, batch, tokens, itemsize, stepping)
     present = [f for f in _FAMILIES if any(f.is_layer(name) for name in _module_names[model])]
     linear = bool(KINDS & set(families.value(config, "layer_types") or ()))
     if not (linear or present):

@@ -265,3 +265,52 @@ def inkling_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, step
     # the kernel and cut, transposed back, the residual sum and its cast; the two over the hidden states
     # run one after the other, the keys' and values' together
     return batch * (tokens + kernel) * 8 * (hidden + 2 * keys) * FP32
+
+
+# Models whose whole state one argument of their own keeps, outside Transformers' caches (sizes for the
+# whole model). RWKV: hidden size, layers, attention width
+def rwkv_sizes(config: Any) -> Sizes | None:
+    if value(config, "model_type") != "rwkv":
+        return None
+    return named("hidden_size", "num_hidden_layers", "attention_hidden_size")(config)
+
+
+def rwkv_state(sizes: Sizes, batch: int, itemsize: int) -> int:
+    hidden, layers, _width = sizes
+    # per layer, the last inputs of its attention and feed-forward in the model's dtype, the attention's
+    # numerator, denominator and running maximum in fp32 (all five as wide as the hidden states)
+    return batch * hidden * layers * (2 * itemsize + 3 * FP32)
+
+
+RWKV_STEP_COPIES = 12  # fp32 copies of one layer's attention state a position's update holds at once
+
+
+def rwkv_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
+    _hidden, _layers, width = sizes
+    # a prompt runs one position at a time: its per-token states are the dense bound's
+    return batch * width * RWKV_STEP_COPIES * FP32
+
+
+# xLSTM (its mLSTM layers' states in its own cache, ``xLSTMCache``): heads, query/key and value head
+# sizes, layers, chunk
+def xlstm_sizes(config: Any) -> Sizes | None:
+    if value(config, "model_type") != "xlstm":
+        return None
+    return named("num_heads", "qk_head_dim", "v_head_dim", "num_hidden_layers", "chunk_size")(config)
+
+
+def xlstm_state(sizes: Sizes, batch: int, itemsize: int) -> int:
+    heads, qk, v, layers, _chunk = sizes
+    # per layer and head: the matrix memory, its normaliser and its stabiliser, in the model's dtype
+    return batch * layers * heads * (qk * v + qk + 1) * itemsize
+
+
+def xlstm_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
+    heads, qk, v, _layers, chunk = sizes
+    states = 6 * batch * heads * (qk * v + qk + 1) * FP32  # a layer's state, and the copies a step makes
+    if stepping:
+        return states
+    # a prompt's chunkwise kernel, padded to whole chunks, in fp32, per position and head: the gates'
+    # pairwise terms within its chunk, and the queries, keys and values a few times over
+    padded = -(-tokens // chunk) * chunk
+    return batch * padded * heads * (8 * chunk + 8 * (qk + v)) * FP32 + states

@@ -197,6 +197,15 @@ def checkpoint_config(arch: str):
             num_key_value_heads=2, head_dim=32, vocab_size=1000, num_local_experts=4, num_experts_per_tok=2,
             block_size=16, layer_types=["linear_attention", "full_attention"],
         )  # fmt: skip
+    if arch == "xlstm":  # mLSTM layers only, their states in xLSTM's own cache
+        return tf.xLSTMConfig(
+            vocab_size=1000,
+            hidden_size=128,
+            embedding_dim=128,
+            num_heads=4,
+            num_hidden_layers=2,
+            num_blocks=2,
+        )
     if arch == "inkling2":  # attention and dynamic short convolutions of its own, routed experts: unread
         return tf.CONFIG_MAPPING["inkling2_text"](
             vocab_size=1000, unpadded_vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -276,6 +276,30 @@ def test_the_bound_covers_rwkv(hidden):
         assert bound is not None and bound >= decode
 
 
+@pytest.mark.parametrize("hidden", [128, 1024], ids=["tiny", "wide"])
+def test_the_bound_covers_xlstm(hidden, checkpoint_config):
+    """Measured from the allocator: xLSTM keeps its mLSTM layers' states in a cache of its own
+    (``xLSTMCache``) and runs a prompt through a chunkwise kernel; a batch's prompt longer than a chunk, then
+    a step given its cache, fp32 and bf16, tiny and at hidden 1,024 (eight heads of 64 and 128)."""
+    config = checkpoint_config("xlstm")
+    config = transformers.xLSTMConfig(**{**config.to_dict(), "hidden_size": hidden, "embedding_dim": hidden})
+    torch.manual_seed(0)
+    with no_init_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    for parameter in model.parameters():
+        parameter.data.normal_(0, 0.02)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = model.to(dtype)
+        ids = torch.randint(0, 1000, (2, 65), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            prefill = _eager_peak(model, ids, use_cache=True)
+            step = {"input_ids": ids[:, -1:], "cache": model(ids, use_cache=True).cache, "use_cache": True}
+            decode = _eager_peak(model, **step)
+        first, bound = eager_call_bytes(model, (ids,), {"use_cache": True}), eager_call_bytes(model, (), step)
+        assert first is not None and first >= prefill
+        assert bound is not None and bound >= decode
+
+
 def test_the_bound_covers_rg_lru_at_recurrentgemmas_width():
     """Measured from the allocator at RecurrentGemma 2B's width (2,560, one key head of 256): a prompt of
     512 positions, scanned one at a time, then a step. Its RG-LRU layer comes first and keeps its states in

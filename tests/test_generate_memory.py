@@ -183,6 +183,19 @@ def test_the_prediction_is_the_cache_of_hybrids(arch, checkpoint_config):
     _assert_predicted_as_generate_leaves(checkpoint_config(arch))
 
 
+def test_the_prediction_is_xlstms_cache(checkpoint_config):
+    """xLSTM keeps its mLSTM layers' states (a matrix memory, its normaliser and stabiliser per head) in a
+    cache of its own, in the model's dtype: predicted byte for byte as a greedy generate leaves it."""
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tf.AutoModelForCausalLM.from_config(checkpoint_config("xlstm")).eval().to(dtype)
+        ids = torch.randint(1, 1000, (3, 7), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=5, return_dict_in_generate=True, **GREEDY)
+        held = sum(t.nbytes for states in out.past_key_values.rnn_state.values() for t in states)
+        assert final_kv_bytes(model, (ids,), {"max_new_tokens": 5}) == held > 0
+
+
 def test_the_prediction_counts_states_kept_by_modules(checkpoint_config):
     """RecurrentGemma's RG-LRU layers keep their states in their modules (a recurrent state in fp32, the
     convolution's last inputs), its attention layers a window of keys and values in the cache: both are
