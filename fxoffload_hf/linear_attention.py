@@ -28,7 +28,8 @@ The bound here counts them generously, for the layer that holds the most (layers
 another). RecurrentGemma's RG-LRU keeps its states in its modules (not in the cache), in fp32 and the
 model's dtype, and scans a prompt one position at a time. Zaya's compressed convolutional attention keeps a
 convolution's last inputs and a delayed half of the values beside its keys and values, Inkling's four short
-convolutions theirs, in fp32. Other linear attention (Inkling 2's dynamic short convolutions) is not read.
+convolutions theirs (Inkling 2's too, some of whose taps are weighted per token), in fp32. Looped Inkling 2
+(layers run again, with caches of their own) is not read.
 
 RWKV and xLSTM keep their states outside Transformers' caches, whatever the length (``own_state_bytes``):
 RWKV in its ``state`` argument (five tensors of every layer: the last inputs of its attention and
@@ -87,6 +88,9 @@ _MAMBA2_MIXERS = frozenset({
     "Mamba2Mixer", "NemotronHMamba2Mixer", "BambaMixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer",
     "Zamba2MambaMixer",
 })  # fmt: skip
+_INKLING_CONVOLUTIONS = frozenset({
+    "InklingShortConvolution", "Inkling2ShortConvolution", "Inkling2DynamicShortConvolution",
+})  # fmt: skip
 # the families, in the order their sizes are read (the first a config states is its)
 _FAMILIES = (
     _Family(
@@ -133,7 +137,7 @@ _FAMILIES = (
     ),
     _Family(
         families.inkling_sizes,
-        lambda name: name == "InklingShortConvolution",
+        lambda name: name in _INKLING_CONVOLUTIONS,
         families.inkling_state,
         families.inkling_computing,
     ),

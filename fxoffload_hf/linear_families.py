@@ -240,12 +240,15 @@ def cca_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, stepping
     return batch * tokens * per_position + (queries + keys) * head_dim * second * itemsize
 
 
-# Inkling's short convolutions (four per layer, in fp32: keys, values, and the hidden states before
-# attention and before the MLP): hidden size, kernel, the widest keys of a layer (sliding layers have
-# heads of their own)
+# Inkling's and Inkling 2's short convolutions (four per layer, in fp32: keys, values, and the hidden states
+# before attention and before the MLP; Inkling 2's full-attention layers weight their keys' and values'
+# taps per token): hidden size, kernel, the widest keys of a layer (sliding layers have heads of their own)
+INKLING_TYPES = frozenset({"inkling_text", "inkling2_text"})  # not the looped one: layers run again
+
+
 def inkling_sizes(config: Any) -> Sizes | None:
-    if value(config, "model_type") != "inkling_text":
-        return None  # Inkling 2's configs share these names, and its convolutions are others
+    if value(config, "model_type") not in INKLING_TYPES:
+        return None
     sizes = named("hidden_size", "conv_kernel_size", "num_key_value_heads", "head_dim")(config)
     sliding = named("swa_num_key_value_heads", "swa_head_dim")(config)
     if sizes is None or sliding is None:
@@ -263,8 +266,9 @@ def inkling_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, step
     hidden, kernel, keys = sizes
     # per position and convolution, in fp32: its input cast, masked and transposed, the output padded by
     # the kernel and cut, transposed back, the residual sum and its cast; the two over the hidden states
-    # run one after the other, the keys' and values' together
-    return batch * (tokens + kernel) * 8 * (hidden + 2 * keys) * FP32
+    # run one after the other, the keys' and values' together; Inkling 2's per-token taps: each position's
+    # window of the kernel, flipped, and weighted, for keys and values
+    return batch * (tokens + kernel) * (8 * (hidden + 2 * keys) + 4 * kernel * keys) * FP32
 
 
 # Models whose whole state one argument of their own keeps, outside Transformers' caches (sizes for the

@@ -206,8 +206,8 @@ def checkpoint_config(arch: str):
             num_hidden_layers=2,
             num_blocks=2,
         )
-    if arch == "inkling2":  # attention and dynamic short convolutions of its own, routed experts: unread
-        return tf.CONFIG_MAPPING["inkling2_text"](
+    if arch in ("inkling2", "inkling2_loop"):  # attention and dynamic short convolutions, routed experts
+        return tf.CONFIG_MAPPING[f"{arch}_text"](
             vocab_size=1000, unpadded_vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=1, head_dim=32, swa_num_attention_heads=4, swa_num_key_value_heads=1, swa_head_dim=32,
             moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,

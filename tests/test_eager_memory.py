@@ -74,11 +74,11 @@ def test_calls_the_bound_cannot_read_have_none(build_model, checkpoint_config):
     assert eager_call_bytes(llama, (ids[0],), {}) is None  # not a batch of token ids
     assert eager_call_bytes(llama, (ids,), {"state": [torch.zeros(2, 128, 3)]}) is None  # RWKV's name only
     assert eager_call_bytes(build_model("mlp"), (torch.ones(2, 256),), {}) is None  # no config
-    # layers other than attention beside attention whose kernels the bound does not read: Inkling 2's dynamic
-    # short convolutions (a tiny Falcon-H1's Mamba-2 layers held 465 MiB against a dense bound of 0.04 MiB before
+    # layers other than attention beside attention whose kernels the bound does not read: looped Inkling 2's
+    # (its layers run again, with caches of their own; a tiny Falcon-H1's Mamba-2 layers held 465 MiB against a dense bound of 0.04 MiB before
     # their own term, ``linear_attention``)
     with torch.device("meta"):
-        hybrid = transformers.AutoModelForCausalLM.from_config(checkpoint_config("inkling2"))
+        hybrid = transformers.AutoModelForCausalLM.from_config(checkpoint_config("inkling2_loop"))
     assert eager_call_bytes(hybrid, (ids,), {}, "cpu") is None
     # attention whose heads the config does not state (latents are cached without them; the scores are not
     # bounded): only a model of linear-attention layers alone may have none
@@ -384,7 +384,7 @@ def _linear_attention(arch: str, checkpoint_config) -> torch.nn.Module:
             head_dim=32, intermediate_size=256, mamba_d_ssm=256, mamba_n_heads=8, mamba_d_head=32,
             mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16, pad_token_id=0,
         )  # fmt: skip
-    else:  # zamba, zamba2, granitemoehybrid, lfm2, lfm3, kimi_linear, bailing_hybrid, minimax, RG-LRU, zaya, inkling
+    else:  # zamba, zamba2, granitemoehybrid, lfm2, lfm3, kimi_linear, bailing_hybrid, minimax, RG-LRU, zaya, inkling (2)
         config = checkpoint_config(arch)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -395,7 +395,7 @@ def _linear_attention(arch: str, checkpoint_config) -> torch.nn.Module:
 LINEAR_ATTENTION = [
     "qwen3_next", "olmo_hybrid", "mamba", "falcon_mamba", "jamba", "mamba2", "nemotron_h", "falcon_h1", "zamba2",
     "zamba", "granitemoehybrid", "lfm2", "lfm3", "kimi_linear", "bailing_hybrid", "minimax", "recurrent_gemma",
-    "zaya", "inkling",
+    "zaya", "inkling", "inkling2",
 ]  # fmt: skip
 
 

@@ -44,9 +44,9 @@ def test_no_prediction_where_the_cache_holds_something_else(checkpoint_config):
         assert not predictable_cache(
             tf.OpenAIGPTLMHeadModel(tf.OpenAIGPTConfig(n_layer=2, n_embd=64, n_head=2))
         )
-    # Inkling 2's hybrid layers (attention and dynamic short convolutions) hold states not sized here; Gated
+    # looped Inkling 2's layers (run again, with caches of their own) hold states not sized here; Gated
     # DeltaNet's, Mamba's, Mamba-2's, RG-LRU's, Zaya's, Inkling's and Lightning attention's are (below)
-    hybrid = checkpoint_config("inkling2")
+    hybrid = checkpoint_config("inkling2_loop")
     assert not predictable_cache(_tiny(hybrid))
     # the plan's figure for them stays an upper bound: every layer's keys and values at full attention
     # (2 layers, 2 sequences, keys and values of 1 head of 32, 100 positions, fp32)
@@ -168,7 +168,7 @@ def test_the_prediction_is_the_cache_eager_generate_leaves(config):
 
 HYBRIDS = [
     "zamba", "zamba2", "granitemoehybrid", "lfm2", "lfm3", "kimi_linear", "bailing_hybrid", "minimax", "zaya",
-    "inkling",
+    "inkling", "inkling2",
 ]  # fmt: skip
 
 
@@ -178,7 +178,7 @@ def test_the_prediction_is_the_cache_of_hybrids(arch, checkpoint_config):
     heads); Mamba-2 layers beside routed experts; LFM2's short convolutions beside attention; Kimi's delta
     attention beside latent attention; MiniMax's Lightning attention, whose state its own cache keeps; Zaya's
     convolutional attention (a convolution's inputs and a delayed half of the values beside keys and values);
-    Inkling's four short convolutions per layer (fp32) beside keys and values, a window of them in sliding
+    Inkling's and Inkling 2's four short convolutions per layer (fp32) beside keys and values, a window of them in sliding
     layers."""
     _assert_predicted_as_generate_leaves(checkpoint_config(arch))
 
