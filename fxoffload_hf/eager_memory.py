@@ -6,7 +6,8 @@ exactly, ``activations``).
 A transformer's eager call holds, per token (the encoder's and the decoder's), a few hidden states, its
 queries, keys and values and its MLP's intermediate states; its attention scores (batch x heads x queries
 x keys, in fp32, twice: the scores and their softmax) and masks where the kernel materialises them; the
-KV cache it is passed and the one it builds; and the output head's logits at the kept positions (in fp32,
+KV cache the call ends with, and a copy of its largest layer (a dynamic layer grows by a concatenation,
+both copies held for a moment, one layer at a time); and the output head's logits at the kept positions (in fp32,
 twice: Transformers upcasts them). The bound counts all of it generously: it gates, it does not plan, and
 a bound too high only costs a call the wait for capture. Only where every layer is an attention layer
 whose cache ``kv_cache`` predicts (keys and values per head, or latent attention's latents, expanded to
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 from fxoffload_hf import linear_attention
-from fxoffload_hf.kv_cache import latent_expansion_bytes, predicted_cache_bytes, text_config
+from fxoffload_hf.kv_cache import latent_expansion_bytes, predicted_layer_bytes, text_config
 from fxoffload_hf.reserved_cache import disk_resident_bytes
 
 # Per query and key where attention's scores are materialised (scaled-dot-product attention's math kernel,
@@ -115,8 +116,8 @@ def eager_call_bytes(
     itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
     # layers whose cache is not predicted (other scans and recurrences) hold what no config bound sees:
     # a tiny Falcon-H1's eager call held 465 MiB before its Mamba-2 layers had a term (measured)
-    built_cache = predicted_cache_bytes(config, batch, keys, itemsize)
-    if built_cache is None:
+    cache_layers = predicted_layer_bytes(config, batch, keys, itemsize)
+    if cache_layers is None:
         return None
     routed = _routed_bytes(model, text, hidden, itemsize, device_type)
     stepping = past > 0 and tokens == 1  # one position after cached ones: a recurrent step
@@ -132,7 +133,9 @@ def eager_call_bytes(
     scores = batch * tokens * keys * (score_heads * _SCORE_BYTES + _MASK_BYTES)
     logits = 2 * batch * _kept_positions(inputs.get("logits_to_keep"), decoded) * vocab * 4
     on_disk = disk_resident_bytes(cache)  # a cache kept on disk has about two layers in memory
-    cache_bytes = 2 * built_cache if on_disk is None else on_disk
+    # the cache the call ends with, and a copy of the layer it extends (a dynamic layer grows by a
+    # concatenation: both copies are held for a moment, one layer at a time)
+    cache_bytes = sum(cache_layers) + max(cache_layers, default=0) if on_disk is None else on_disk
     return batch * tokens * per_token + expanded + scores + logits + cache_bytes + linear
 
 

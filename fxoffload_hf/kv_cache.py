@@ -164,19 +164,32 @@ def _per_layer_position_bytes(
 def predicted_cache_bytes(config: Any, batch: int, length: int, itemsize: int) -> int | None:
     """Bytes of the cache of ``batch`` sequences after ``length`` tokens (latent attention's latents,
     indexed layers' indexer keys and linear-attention layers' states too); None where not predicted."""
+    layers = predicted_layer_bytes(config, batch, length, itemsize)
+    return None if layers is None else sum(layers)
+
+
+def predicted_layer_bytes(config: Any, batch: int, length: int, itemsize: int) -> list[int] | None:
+    """``predicted_cache_bytes`` layer by layer (a model keeping its own state: that state in equal
+    shares); None where not predicted."""
     text = text_config(config)
     own = linear_attention.own_state_bytes(text, batch, itemsize)
-    if own is not None:
-        return own  # RWKV's: outside Transformers' caches
+    if own is not None:  # RWKV's, xLSTM's: outside Transformers' caches
+        layers = _attr(text, "num_hidden_layers") or 1
+        return [own // layers] * (layers - 1) + [own - own // layers * (layers - 1)]
     kinds = _layer_kinds(text)  # read once: Transformers builds every layer's kind from the config
     linear = linear_attention.is_read(text)
     positions = _positions(text, length, _FULL, kinds, linear)
     per_position = _per_layer_position_bytes(text, itemsize, kinds, linear)
     if positions is None or per_position is None:
         return None
-    attention = batch * sum(p * b for p, b in zip(positions, per_position, strict=True))
-    linear_layers = sum(kind in linear_attention.KINDS for kind, _ in kinds or ()) if linear else 0
-    return attention + linear_layers * (linear_attention.state_bytes(text, batch, itemsize) or 0)
+    state = (linear_attention.state_bytes(text, batch, itemsize) or 0) if linear else 0
+    is_linear = [linear and kind in linear_attention.KINDS for kind, _ in kinds or ()] or [False] * len(
+        positions
+    )
+    return [
+        batch * p * b + (state if has_state else 0)
+        for p, b, has_state in zip(positions, per_position, is_linear, strict=True)
+    ]
 
 
 # Latent attention's keys are wider than its values, so scaled-dot-product attention takes its math kernel,

@@ -120,13 +120,15 @@ def test_a_deferred_generate_whose_cache_outgrows_eager_calls_starts_again_with_
 ):
     # eager calls fit while the cache is short; a later step's does not, and its capture does not fit
     # either (graphs' state counted): the generate starts again with the cache on disk, eagerly again,
-    # instead of failing at that step
+    # instead of failing at that step. The budget lies in the narrow band (about a layer's keys and values
+    # wide) where the final cache fits beside the weights but a late step's copy of a layer does not: 0.40
+    # puts the cache on disk from the start, 0.44 keeps it in memory throughout (measured)
     settings = {**LONG, "max_new_tokens": 300}
     eager = _deep_llama(build_model)
     ids = torch.randint(0, 1000, (1, 20), generator=torch.Generator().manual_seed(0))
     expected = eager.generate(ids, **settings)
     model = _deep_llama(build_model)
-    fxoffload_hf.offload(model, cpu_memory=int(weight_bytes(model) * 0.6), offload_folder=tmp_path)
+    fxoffload_hf.offload(model, cpu_memory=int(weight_bytes(model) * 0.42), offload_folder=tmp_path)
     engine = fxoffload_hf.engine_of(model)
     try:
         with pytest.warns(KVCacheOnDiskWarning):
