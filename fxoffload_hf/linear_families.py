@@ -272,15 +272,23 @@ def inkling_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, step
 
 
 # Models whose whole state one argument of their own keeps, outside Transformers' caches (sizes for the
-# whole model). RWKV: hidden size, layers, attention width
+# whole model). RWKV: hidden size, layers, attention width, and the widest projection its rescaling
+# divides (0 where it does not: ``weight_rescaling`` then divides a copy of it at each call)
 def rwkv_sizes(config: Any) -> Sizes | None:
     if value(config, "model_type") != "rwkv":
         return None
-    return named("hidden_size", "num_hidden_layers", "attention_hidden_size")(config)
+    sizes = named("hidden_size", "num_hidden_layers", "attention_hidden_size")(config)
+    if sizes is None:
+        return None
+    hidden, layers, width = sizes
+    every = value(config, "rescale_every")
+    inner = value(config, "intermediate_size") or 4 * hidden
+    divided = hidden * max(width, inner) if isinstance(every, int) and 0 < every < layers else 0
+    return hidden, layers, width, divided
 
 
 def rwkv_state(sizes: Sizes, batch: int, itemsize: int) -> int:
-    hidden, layers, _width = sizes
+    hidden, layers, _width, _divided = sizes
     # per layer, the last inputs of its attention and feed-forward in the model's dtype, the attention's
     # numerator, denominator and running maximum in fp32 (all five as wide as the hidden states)
     return batch * hidden * layers * (2 * itemsize + 3 * FP32)
@@ -290,9 +298,10 @@ RWKV_STEP_COPIES = 12  # fp32 copies of one layer's attention state a position's
 
 
 def rwkv_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, stepping: bool) -> int:
-    _hidden, _layers, width = sizes
-    # a prompt runs one position at a time: its per-token states are the dense bound's
-    return batch * width * RWKV_STEP_COPIES * FP32
+    _hidden, _layers, width, divided = sizes
+    # a prompt runs one position at a time: its per-token states are the dense bound's; and the divided
+    # copy of a rescaled projection's weight
+    return batch * width * RWKV_STEP_COPIES * FP32 + divided * itemsize
 
 
 # xLSTM (its mLSTM layers' states in its own cache, ``xLSTMCache``): heads, query/key and value head

@@ -10,6 +10,7 @@ import transformers
 from transformers.initialization import no_init_weights
 
 import fxoffload_hf
+from fxoffload_hf import weight_rescaling
 from fxoffload_hf.eager_memory import eager_call_bytes
 from fxoffload_hf.graph_entry import GraphEntry
 
@@ -254,16 +255,18 @@ def test_the_bound_covers_mamba2_at_its_real_sizes(dtype):
 def test_the_bound_covers_rwkv(hidden):
     """Measured from the allocator: RWKV keeps its state outside Transformers' caches (``state``) and
     computes a prompt one position at a time; a batch's prompt, then a step given its state, fp32 and bf16,
-    at a tiny width and RWKV-4 169M's."""
+    at a tiny width and RWKV-4 169M's. Its second block rescaled, as offloading makes it: the projection
+    divides a copy of its weight at each call (``weight_rescaling``)."""
     config = transformers.RwkvConfig(
         vocab_size=1000, hidden_size=hidden, attention_hidden_size=hidden, intermediate_size=4 * hidden,
-        num_hidden_layers=2,
+        num_hidden_layers=2, rescale_every=1,
     )  # fmt: skip
     torch.manual_seed(0)
     with no_init_weights():  # RWKV's own initialisation takes 20 s at 768 wide: random values serve
         model = transformers.AutoModelForCausalLM.from_config(config).eval()
     for parameter in model.parameters():
         parameter.data.normal_(0, 0.02)
+    weight_rescaling.divide_as_used(model, [])
     for dtype in (torch.float32, torch.bfloat16):
         model = model.to(dtype)
         ids = torch.randint(0, 1000, (2, 17), generator=torch.Generator().manual_seed(0))
