@@ -9,8 +9,9 @@ from its file at each use, so a division written into one copy is lost: the offl
 logits than eager's (measured: 1.58 apart on a tiny model). Instead the model is told its layers are
 rescaled, and each such projection divides its weight as it uses it: the values eager divided in place,
 bit for bit (dividing its input instead rounds otherwise in fp16, where small inputs become subnormal),
-at the cost of one copy of that weight per call; the weights are never written. ``restore`` takes both
-back.
+at the cost of one copy of that weight per call (counted by the eager bound,
+``linear_families.rwkv_computing``; a captured graph measures it); the weights are never written.
+``restore`` takes both back.
 """
 
 from __future__ import annotations
