@@ -107,8 +107,7 @@ def eager_call_bytes(
     lengths = _token_lengths(inputs)
     cache = next((inputs[n] for n in _CACHES if inputs.get(n) is not None), None)
     # a state of the model's own (RWKV's, xLSTM's): how many positions went through it does not matter
-    own_state = cache is not None and linear_attention.own_state_bytes(text, 1, 4) is not None
-    past = 1 if own_state else _cached_positions(cache)
+    past = 1 if cache is not None and linear_attention.keeps_own_state(text) else _cached_positions(cache)
     if lengths is None or past is None or not (hidden and vocab):
         return None
     batch, tokens, decoded = lengths

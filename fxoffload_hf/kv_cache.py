@@ -175,7 +175,8 @@ def predicted_layer_bytes(config: Any, batch: int, length: int, itemsize: int) -
     own = linear_attention.own_state_bytes(text, batch, itemsize)
     if own is not None:  # RWKV's, xLSTM's: outside Transformers' caches
         layers = _attr(text, "num_hidden_layers") or 1
-        return [own // layers] * (layers - 1) + [own - own // layers * (layers - 1)]
+        share, rest = divmod(own, layers)
+        return [share] * (layers - 1) + [share + rest]
     kinds = _layer_kinds(text)  # read once: Transformers builds every layer's kind from the config
     linear = linear_attention.is_read(text)
     positions = _positions(text, length, _FULL, kinds, linear)
@@ -183,9 +184,7 @@ def predicted_layer_bytes(config: Any, batch: int, length: int, itemsize: int) -
     if positions is None or per_position is None:
         return None
     state = (linear_attention.state_bytes(text, batch, itemsize) or 0) if linear else 0
-    is_linear = [linear and kind in linear_attention.KINDS for kind, _ in kinds or ()] or [False] * len(
-        positions
-    )
+    is_linear = [linear and kind in linear_attention.KINDS for kind, _ in kinds or ()]
     return [
         batch * p * b + (state if has_state else 0)
         for p, b, has_state in zip(positions, per_position, is_linear, strict=True)

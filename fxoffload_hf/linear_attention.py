@@ -168,20 +168,21 @@ _OWN_STATE = (
 )
 
 
-def _own_state(config: Any) -> tuple[_Family, Sizes] | None:
-    return next(((f, sizes) for f in _OWN_STATE if (sizes := f.sizes(config)) is not None), None)
+def _family(config: Any, candidates: tuple[_Family, ...] = _FAMILIES) -> tuple[_Family, Sizes] | None:
+    """The first of ``candidates`` whose sizes ``config`` (a decoder's text config) states, and those sizes."""
+    return next(((f, sizes) for f in candidates if (sizes := f.sizes(config)) is not None), None)
+
+
+def keeps_own_state(config: Any) -> bool:
+    """Whether the model keeps its state outside Transformers' caches (RWKV, xLSTM)."""
+    return _family(config, _OWN_STATE) is not None
 
 
 def own_state_bytes(config: Any, batch: int, itemsize: int) -> int | None:
     """Bytes of the state a model keeps outside Transformers' caches for ``batch`` sequences, at any length
     (RWKV's, xLSTM's); None for other models."""
-    found = _own_state(config)
+    found = _family(config, _OWN_STATE)
     return None if found is None else found[0].state(found[1], batch, itemsize)
-
-
-def _family(config: Any) -> tuple[_Family, Sizes] | None:
-    """The family ``config`` (a decoder's text config) states the sizes of, and those sizes."""
-    return next(((f, sizes) for f in _FAMILIES if (sizes := f.sizes(config)) is not None), None)
 
 
 def is_read(config: Any) -> bool:
@@ -205,7 +206,7 @@ def computing_bytes(
     its layers are not of one family whose config and modules are read here."""
     if model not in _module_names:
         _module_names[model] = frozenset(type(m).__name__ for m in model.modules())
-    own = _own_state(config)
+    own = _family(config, _OWN_STATE)
     if own is not None:
         family, sizes = own
         if not any(family.is_layer(name) for name in _module_names[model]):
