@@ -261,22 +261,9 @@ def test_the_bound_covers_rwkv(hidden):
         vocab_size=1000, hidden_size=hidden, attention_hidden_size=hidden, intermediate_size=4 * hidden,
         num_hidden_layers=2, rescale_every=1,
     )  # fmt: skip
-    torch.manual_seed(0)
-    with no_init_weights():  # RWKV's own initialisation takes 20 s at 768 wide: random values serve
-        model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    for parameter in model.parameters():
-        parameter.data.normal_(0, 0.02)
+    model = _randomly_filled(config)  # RWKV's own initialisation takes 20 s at 768 wide
     weight_rescaling.divide_as_used(model, [])
-    for dtype in (torch.float32, torch.bfloat16):
-        model = model.to(dtype)
-        ids = torch.randint(0, 1000, (2, 17), generator=torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            prefill = _eager_peak(model, ids, use_cache=True)
-            step = {"input_ids": ids[:, -1:], "state": model(ids, use_cache=True).state, "use_cache": True}
-            decode = _eager_peak(model, **step)
-        first, bound = eager_call_bytes(model, (ids,), {"use_cache": True}), eager_call_bytes(model, (), step)
-        assert first is not None and first >= prefill
-        assert bound is not None and bound >= decode
+    _assert_bounds_cover_own_state(model, 17, "state")
 
 
 @pytest.mark.parametrize("hidden", [128, 1024], ids=["tiny", "wide"])
@@ -286,17 +273,31 @@ def test_the_bound_covers_xlstm(hidden, checkpoint_config):
     a step given its cache, fp32 and bf16, tiny and at hidden 1,024 (eight heads of 64 and 128)."""
     config = checkpoint_config("xlstm")
     config = transformers.xLSTMConfig(**{**config.to_dict(), "hidden_size": hidden, "embedding_dim": hidden})
+    _assert_bounds_cover_own_state(_randomly_filled(config), 65, "cache")
+
+
+def _randomly_filled(config) -> torch.nn.Module:
+    """A model of ``config``, in eval mode, its weights seeded random values (without Transformers' own
+    initialisation, which some architectures take many seconds over at real widths)."""
     torch.manual_seed(0)
     with no_init_weights():
         model = transformers.AutoModelForCausalLM.from_config(config).eval()
     for parameter in model.parameters():
         parameter.data.normal_(0, 0.02)
+    return model
+
+
+def _assert_bounds_cover_own_state(model: torch.nn.Module, tokens: int, name: str) -> None:
+    """As ``_assert_bounds_cover_prefill_and_step``, in fp32 and bf16, for a model keeping its state in an
+    output and argument of its own, ``name`` (RWKV's ``state``, xLSTM's ``cache``): a batch of two prompts
+    of ``tokens``, then a step given the state the prompt left."""
     for dtype in (torch.float32, torch.bfloat16):
         model = model.to(dtype)
-        ids = torch.randint(0, 1000, (2, 65), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(0, 1000, (2, tokens), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             prefill = _eager_peak(model, ids, use_cache=True)
-            step = {"input_ids": ids[:, -1:], "cache": model(ids, use_cache=True).cache, "use_cache": True}
+            state = getattr(model(ids, use_cache=True), name)
+            step = {"input_ids": ids[:, -1:], name: state, "use_cache": True}
             decode = _eager_peak(model, **step)
         first, bound = eager_call_bytes(model, (ids,), {"use_cache": True}), eager_call_bytes(model, (), step)
         assert first is not None and first >= prefill
@@ -312,12 +313,7 @@ def test_the_bound_covers_rg_lru_at_recurrentgemmas_width():
         num_attention_heads=10, num_key_value_heads=1, attention_window_size=2048,
         block_types=["recurrent", "attention"],
     )  # fmt: skip
-    torch.manual_seed(0)
-    with no_init_weights():  # random values serve, without the initialisation's cost at this width
-        model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    for parameter in model.parameters():
-        parameter.data.normal_(0, 0.02)
-    _assert_bounds_cover_prefill_and_step(model, 1, 512)
+    _assert_bounds_cover_prefill_and_step(_randomly_filled(config), 1, 512)
 
 
 def _empty_cache(model: torch.nn.Module) -> transformers.Cache:
