@@ -238,8 +238,11 @@ def _hint(dim: Any) -> int:
 _IN_PLACE_OPERATORS = frozenset({
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
     operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+    operator.setitem,
 })  # fmt: skip
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_"})  # end in ``_`` but leave the values
+# a dunder method ends in ``_`` too; of those only the in-place operators' (``__iadd__``, ``__setitem__``) write
+_WRITING_DUNDERS = frozenset(f"__{op.__name__}__" for op in _IN_PLACE_OPERATORS)
 
 
 def refuse_weight_writes(graph: fx.Graph, names: dict[fx.Node, str]) -> None:
@@ -252,13 +255,19 @@ def refuse_weight_writes(graph: fx.Graph, names: dict[fx.Node, str]) -> None:
                 continue
             target = user.target
             label = target if isinstance(target, str) else getattr(target, "__name__", str(target))
-            writes = (
-                (user.op == "call_method" and isinstance(target, str) and label.endswith("_"))
-                or (user.op == "call_function" and target in _IN_PLACE_OPERATORS)
-                or (user.op == "call_function" and label.endswith("_") and not label.startswith("_"))
+            writes = (user.op == "call_method" and isinstance(target, str) and _method_writes(label)) or (
+                user.op == "call_function"
+                and (target in _IN_PLACE_OPERATORS or (not label.startswith("_") and _method_writes(label)))
             )
-            if writes and label not in _NOT_WRITES:
+            if writes:
                 raise weight_write_error(name, f"`{label}`")
+
+
+def _method_writes(name: str) -> bool:
+    """Whether the tensor method ``name`` writes into its tensor: ``div_``, ``__iadd__``, not ``__getitem__``."""
+    if name.startswith("__") and name.endswith("__"):
+        return name in _WRITING_DUNDERS
+    return name.endswith("_") and name not in _NOT_WRITES
 
 
 def only_row_lookups(weight: fx.Node) -> bool:

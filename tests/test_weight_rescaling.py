@@ -4,12 +4,14 @@ and the weights ``restore`` gives back are those it was offloaded with."""
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import transformers
 
 import fxoffload_hf
-from fxoffload_hf import weight_rescaling
+from fxoffload_hf import graphs, weight_rescaling
 
 GREEDY = dict(max_new_tokens=4, do_sample=False)
 
@@ -122,3 +124,47 @@ def test_an_eager_call_writing_into_a_weight_is_refused(tmp_path, save_checkpoin
     with torch.no_grad():
         model(ids)  # nothing left lent or locked
     fxoffload_hf.restore(model)
+
+
+def _graph_using_weight(op: str, target: object, *extra: object) -> tuple[torch.fx.Graph, torch.fx.Node]:
+    graph = torch.fx.Graph()
+    weight = graph.placeholder("weight")
+    used = graph.create_node(op, target, (weight, *extra))  # type: ignore[arg-type]
+    graph.output(used)
+    return graph, weight
+
+
+@pytest.mark.parametrize(
+    "op, target, extra",
+    [
+        ("call_method", "div_", (2,)),
+        ("call_method", "__iadd__", (1,)),
+        ("call_method", "__setitem__", (0, 1.0)),
+        ("call_function", operator.itruediv, (2,)),
+        ("call_function", operator.setitem, (0, 1.0)),
+        ("call_function", torch.Tensor.copy_, (0,)),
+    ],
+    ids=["div_", "__iadd__", "__setitem__", "itruediv", "setitem", "Tensor.copy_"],
+)
+def test_a_captured_write_into_a_weight_is_refused(op, target, extra):
+    graph, weight = _graph_using_weight(op, target, *extra)
+    with pytest.raises(NotImplementedError, match=r"writes into its weight w\.x"):
+        graphs.refuse_weight_writes(graph, {weight: "w.x"})
+
+
+@pytest.mark.parametrize(
+    "op, target, extra",
+    [
+        ("call_method", "__getitem__", (0,)),
+        ("call_method", "__rshift__", (1,)),
+        ("call_method", "requires_grad_", (False,)),
+        ("call_method", "div", (2,)),
+        ("call_function", operator.getitem, (0,)),
+        ("call_function", torch.Tensor.__getitem__, (0,)),
+    ],
+    ids=["__getitem__", "__rshift__", "requires_grad_", "div", "getitem", "Tensor.__getitem__"],
+)
+def test_a_captured_read_of_a_weight_is_allowed(op, target, extra):
+    """Dunders end in ``_`` too: only the in-place ones write (the check read ``__getitem__`` as a write)."""
+    graph, weight = _graph_using_weight(op, target, *extra)
+    graphs.refuse_weight_writes(graph, {weight: "w.x"})
