@@ -16,6 +16,7 @@ not build or run eagerly). Results go to ``--out`` as JSON lines as they come; t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import importlib.metadata
 import json
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.children import ChildRun, run_child
+from harness.shrink import SHAPE_VARIABLE, TINY
 
 HERE = Path(__file__).resolve().parent
 CHILD = HERE / "coverage_child.py"
@@ -146,11 +148,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--mapping", choices=[*MAPPINGS, "all"], default="causal")
+    parser.add_argument(
+        "--mapping", choices=[*MAPPINGS, "all"], default="causal", help="which auto mapping's types to check"
+    )
     parser.add_argument("--types", help="comma-separated model types to check (default: the whole mapping)")
     parser.add_argument("--limit-s", type=float, default=180.0, help="time limit of one child, seconds")
     parser.add_argument("--jobs", type=int, default=1, help="children at once (default 1: a 2-core machine)")
-    parser.add_argument("--out", type=Path, default=HERE / "coverage_results" / "coverage.jsonl")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=HERE / "coverage_results" / "coverage.jsonl",
+        help="results as JSON lines; the markdown summary goes beside it",
+    )
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=None,
+        help=f"hidden size of every model (default {TINY.hidden}; heads of 64 from 256 up): a user's width",
+    )
+    parser.add_argument(
+        "--vocab", type=int, default=None, help=f"vocabulary size of every model (default {TINY.vocab})"
+    )
     parser.add_argument(
         "--share",
         type=float,
@@ -172,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
     os.environ["FXOFFLOAD_HF_CAPTURE"] = args.capture  # the children's capture mode
+    shape = TINY.with_sizes(args.hidden, args.vocab)
+    os.environ[SHAPE_VARIABLE] = json.dumps(dataclasses.asdict(shape))  # the children's widths
     from harness.coverage_report import markdown
 
     rows = read_rows(args.out) if (args.resume or args.report_only) else []
@@ -190,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         "limit_s": args.limit_s,
         "share": args.share,
         "capture": args.capture,
+        **({"shape": dataclasses.asdict(shape)} if shape != TINY else {}),
     }
     text = markdown(latest(rows), header)
     table = args.out.with_suffix(".md")

@@ -89,12 +89,12 @@ def source_digest() -> str:
 def build(type_name: str, mapping: str, auto: Any, record: dict[str, Any]) -> tuple[Any, Any]:
     """The tiny config and seeded random-init model of ``type_name`` (eval, fp32)."""
     import torch
-    from harness.shrink import shrink_config
+    from harness.shrink import shape_from_environment, shrink_config
     from transformers import CONFIG_MAPPING
 
     phase("config")
     try:
-        config = shrink_config(CONFIG_MAPPING[type_name]())
+        config = shrink_config(CONFIG_MAPPING[type_name](), shape_from_environment())
         if mapping == "causal" and not getattr(config, "is_encoder_decoder", False):
             config.is_decoder = True  # BERT-likes as causal LMs (Reformer refuses otherwise)
         if (

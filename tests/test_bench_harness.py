@@ -405,3 +405,35 @@ def test_long_generation_rises_are_over_the_loaded_model_against_the_budget():
     assert rises(out, budget=30 * MiB) == [
         "private memory rise over the loaded model: fxoffload 15 MiB (0.50 of the budget)"
     ]
+
+
+# --- shrink ----------------------------------------------------------------------------------------
+
+
+def test_shrink_keeps_the_architecture_at_tiny_or_a_users_widths():
+    import transformers
+    from harness import shrink
+
+    original = transformers.LlamaConfig()
+    tiny = shrink.shrink_config(original)
+    assert (tiny.hidden_size, tiny.num_attention_heads, tiny.vocab_size) == (128, 4, 1000)
+    wide = shrink.shrink_config(original, shrink.TINY.with_sizes(hidden=512, vocab=32000))
+    assert (wide.hidden_size, wide.num_attention_heads, wide.vocab_size) == (512, 8, 32000)
+    # widths keep their ratio to the hidden size; depth stays tiny
+    ratio = original.intermediate_size / original.hidden_size
+    assert abs(wide.intermediate_size / 512 - ratio) < 0.05 and wide.num_hidden_layers == shrink.LAYERS
+    # Mamba-2's heads follow the hidden size (heads x head size = expand x hidden)
+    mamba2 = shrink.shrink_config(transformers.Mamba2Config(), shrink.TINY.with_sizes(hidden=512))
+    assert mamba2.num_heads * mamba2.head_dim == mamba2.expand * 512
+
+
+def test_a_sweeps_shape_reaches_its_children_through_the_environment(monkeypatch):
+    import dataclasses
+
+    from harness import shrink
+
+    monkeypatch.delenv(shrink.SHAPE_VARIABLE, raising=False)
+    assert shrink.shape_from_environment() == shrink.TINY
+    shape = shrink.TINY.with_sizes(hidden=1024, vocab=32000)
+    monkeypatch.setenv(shrink.SHAPE_VARIABLE, json.dumps(dataclasses.asdict(shape)))
+    assert shrink.shape_from_environment() == shape and shape.head_dim == 64

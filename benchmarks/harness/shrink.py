@@ -10,19 +10,51 @@ most ``MAX_LAYERS`` layers.
 
 from __future__ import annotations
 
+import json
+import os
 import re
+from dataclasses import dataclass, replace
 from typing import Any
 
-HIDDEN = 128
-HEADS = 4
-HEAD_DIM = HIDDEN // HEADS
 LAYERS = 3
 MAX_LAYERS = 8
-VOCAB = 1000
 EXPERTS = 4
 EXPERTS_PER_TOKEN = 2
 POSITIONS = 512
 STATE = 16
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The widths a config is shrunk to: tiny by default; ``--hidden``/``--vocab`` of the sweeps give a
+    user's shapes (a vocabulary large against the hidden size) with the same rules."""
+
+    hidden: int = 128
+    heads: int = 4
+    vocab: int = 1000
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def with_sizes(self, hidden: int | None = None, vocab: int | None = None) -> Shape:
+        """This shape with ``hidden`` (heads of 64 from 256 up, as most checkpoints have) and ``vocab``
+        where given."""
+        shape = self if vocab is None else replace(self, vocab=vocab)
+        if hidden is None:
+            return shape
+        return replace(shape, hidden=hidden, heads=max(self.heads, hidden // 64))
+
+
+TINY = Shape()
+SHAPE_VARIABLE = "FXOFFLOAD_BENCH_SHAPE"  # a sweep's shape, for its children (``Shape`` as JSON)
+
+
+def shape_from_environment() -> Shape:
+    """The shape a sweep's parent set for its children; ``TINY`` where none was set."""
+    value = os.environ.get(SHAPE_VARIABLE)
+    return Shape(**json.loads(value)) if value else TINY
+
 
 # ordered (the first present is the level's own width, depth, heads): a set's order would vary by process
 HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "model_dim", "word_embed_proj_dim")
@@ -55,13 +87,15 @@ INDEX_LIST_KEY = re.compile(r"layers$|_idxs$|_ids$|layer_indices$")
 SEQUENCE_KEY = re.compile(r"layer|pattern|types|block_type")
 
 
-def shrink_config(config: Any) -> Any:
-    """A new config of ``config``'s class, tiny (see the module docstring). Raises what its constructor raises."""
-    return type(config)(**overrides(config))
+def shrink_config(config: Any, shape: Shape = TINY) -> Any:
+    """A new config of ``config``'s class at ``shape``'s widths (see the module docstring). Raises what its
+    constructor raises."""
+    return type(config)(**overrides(config, shape))
 
 
-def overrides(config: Any) -> dict[str, Any]:
-    """The constructor keywords that make ``config`` tiny: every key a rule changes, sub-configs shrunk."""
+def overrides(config: Any, shape: Shape = TINY) -> dict[str, Any]:
+    """The constructor keywords that shrink ``config`` to ``shape``: every key a rule changes, sub-configs
+    shrunk."""
     from transformers import PreTrainedConfig
 
     values = config.to_dict()
@@ -69,9 +103,9 @@ def overrides(config: Any) -> dict[str, Any]:
     for key in values:
         sub = _attribute(config, key)
         if isinstance(sub, PreTrainedConfig):
-            changed[key] = shrink_config(sub)
+            changed[key] = shrink_config(sub, shape)
     flat = {k: v for k, v in values.items() if k not in changed}
-    changed.update(_level(flat))
+    changed.update(_level(flat, shape))
     return changed
 
 
@@ -86,7 +120,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _level(values: dict[str, Any]) -> dict[str, Any]:
+def _level(values: dict[str, Any], shape: Shape) -> dict[str, Any]:
     """Rules for one config level (no sub-configs)."""
     out: dict[str, Any] = {}
     hidden = next((values[k] for k in HIDDEN_KEYS if _is_int(values.get(k))), None)
@@ -94,30 +128,30 @@ def _level(values: dict[str, Any]) -> dict[str, Any]:
     depth = next((values[k] for k in LAYER_KEYS if _is_int(values.get(k))), None)
     layers = _depth(values, depth)
     for key, value in values.items():
-        new = _rule(key, value, hidden=hidden, heads=heads, layers=layers)
+        new = _rule(key, value, shape, hidden=hidden, heads=heads, layers=layers)
         if new is not None and new != value:
             out[key] = new
     if depth is not None:
         out.update(_per_layer(values, depth, layers))
-    out.update(_token_ids(values, int(out.get("vocab_size", values.get("vocab_size") or VOCAB))))
+    out.update(_token_ids(values, int(out.get("vocab_size", values.get("vocab_size") or shape.vocab))))
     out.update(_ssm_heads(values, out))
     out.update(_latent_attention(values, out))
     return out
 
 
-def _rule(key: str, value: Any, *, hidden: int | None, heads: int | None, layers: int) -> Any:
+def _rule(key: str, value: Any, shape: Shape, *, hidden: int | None, heads: int | None, layers: int) -> Any:
     """The new value of one key, or None to keep it."""
     if not _is_int(value) or value <= 0:
         return None
     if key in HIDDEN_KEYS:
-        return min(value, HIDDEN)
+        return min(value, shape.hidden)
     if key in LAYER_KEYS:
         # encoder and decoder alike: some models size their cache by one and run the other
         return layers if value > 1 else None
     if key in HEAD_KEYS:
-        return min(value, HEADS)
+        return min(value, shape.heads)
     if KV_HEADS_KEY.search(key):
-        return _ratio(value, heads)
+        return _ratio(value, heads, shape)
     if key in EXPERT_KEYS:
         return min(value, EXPERTS)
     if key in TOP_K_KEYS:
@@ -125,7 +159,7 @@ def _rule(key: str, value: Any, *, hidden: int | None, heads: int | None, layers
     if key in POSITION_KEYS or key == "sliding_window":
         return min(value, POSITIONS)
     if key == "vocab_size" or key.endswith("_vocab_size"):
-        return min(value, VOCAB)
+        return min(value, shape.vocab)
     if key in STATE_KEYS:
         return min(value, STATE)
     if key in ONE_KEYS or key in ("first_k_dense_replace", "n_shared_experts"):
@@ -135,23 +169,23 @@ def _rule(key: str, value: Any, *, hidden: int | None, heads: int | None, layers
     if key.endswith("_offset") and key.replace("_offset", "_period") in _PERIODS:
         return min(value, 1)
     if key in ("time_step_rank", "mamba_dt_rank"):
-        return max(HIDDEN // 16, 1)
+        return max(shape.hidden // 16, 1)
     if key == "qk_rope_head_dim":
-        return min(value, HEAD_DIM // 2)
+        return min(value, shape.head_dim // 2)
     if HEAD_DIM_KEY.search(key):
-        return min(value, HEAD_DIM)
+        return min(value, shape.head_dim)
     if OTHER_HEADS_KEY.search(key):
-        return _ratio(value, heads)
+        return _ratio(value, heads, shape)
     if WIDTH.search(key) and hidden:
-        return max(16, round(value * HIDDEN / hidden / 16) * 16)
+        return max(16, round(value * shape.hidden / hidden / 16) * 16)
     return None
 
 
-def _ratio(value: int, heads: int | None) -> int:
+def _ratio(value: int, heads: int | None, shape: Shape) -> int:
     """A count of heads kept in its ratio to the attention heads (at least one)."""
     if not heads:
-        return min(value, HEADS)
-    return max(1, min(value * HEADS // heads, 2 * HEADS))
+        return min(value, shape.heads)
+    return max(1, min(value * shape.heads // heads, 2 * shape.heads))
 
 
 def _sequences(values: dict[str, Any], depth: int) -> dict[str, Any]:
