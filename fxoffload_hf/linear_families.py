@@ -42,6 +42,11 @@ def first(*readers: Callable[[Any], Sizes | None]) -> Callable[[Any], Sizes | No
 
 
 # Gated DeltaNet: key heads, value heads, key and value head sizes, kernel
+def whole_chunks(tokens: int, chunk: int) -> int:
+    """``tokens`` padded to whole chunks, as a chunked kernel pads a prompt."""
+    return -(-tokens // chunk) * chunk
+
+
 def gated_delta_net_state(sizes: Sizes, batch: int, itemsize: int) -> int:
     k_heads, v_heads, k_dim, v_dim, kernel = sizes
     channels = 2 * k_heads * k_dim + v_heads * v_dim  # the convolution's: queries, keys and values
@@ -62,7 +67,7 @@ def gated_delta_net_computing(sizes: Sizes, batch: int, tokens: int, itemsize: i
     # row of the chunk each). Measured at Qwen3-Next's head sizes (128, 16 key and 32 value heads),
     # prompts of 64 to 2,048 tokens: the call's bound 1.9-2.5x the allocator's peak (1.5x for tiny
     # models' short prompts, padded to a chunk)
-    padded = tokens if stepping else -(-tokens // CHUNK) * CHUNK
+    padded = tokens if stepping else whole_chunks(tokens, CHUNK)
     per_head = 6 * (k_dim + v_dim) + (0 if stepping else 6 * CHUNK)
     # the recurrent state, and the copies an update makes (decayed, its products with the key and query)
     states = 5 * v_heads * k_dim * v_dim
@@ -88,7 +93,7 @@ def kda_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, stepping
     # a prompt's chunks, in fp32, per padded position and head: a dozen copies of its query, key, value and
     # decay, and the chunk's decays per key channel (chunk x head size: the decay mask, the products of
     # keys with it, the intra-chunk attention in the loop) besides its triangular system
-    padded = -(-tokens // CHUNK) * CHUNK
+    padded = whole_chunks(tokens, CHUNK)
     per_head = 16 * head_dim + 4 * CHUNK * head_dim + 4 * CHUNK
     return batch * (tokens * projected + padded * heads * per_head * FP32 + states)
 
@@ -162,7 +167,7 @@ def mamba2_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, stepp
     # 130M's sizes), B and C repeated to every head and chunked (4), its inputs and outputs (cast,
     # scaled, chunked, the skip connection, within and across chunks: 7); one more of each; per chunk,
     # every head's state a few times over
-    padded = -(-tokens // chunk) * chunk
+    padded = whole_chunks(tokens, chunk)
     scanned = padded * heads * (8 * head_dim + 5 * state + 4 * chunk) * FP32
     per_chunk = 4 * (padded // chunk + 1) * heads * head_dim * state * FP32
     return batch * (tokens * projected + scanned + per_chunk + states)
@@ -325,5 +330,5 @@ def xlstm_computing(sizes: Sizes, batch: int, tokens: int, itemsize: int, steppi
         return states
     # a prompt's chunkwise kernel, padded to whole chunks, in fp32, per position and head: the gates'
     # pairwise terms within its chunk, and the queries, keys and values a few times over
-    padded = -(-tokens // chunk) * chunk
+    padded = whole_chunks(tokens, chunk)
     return batch * padded * heads * (8 * chunk + 8 * (qk + v)) * FP32 + states
