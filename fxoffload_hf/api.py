@@ -24,6 +24,7 @@ from fxoffload_hf.capture import (
     refuse_state_dict_load,
 )
 from fxoffload_hf.config import BudgetSpec, OffloadConfig
+from fxoffload_hf.direct_reads import children_read_directly
 from fxoffload_hf.eager_fallback import EagerWeights
 from fxoffload_hf.engine import Engine
 from fxoffload_hf.memory import free_host_memory, memory_limit, tensor_nbytes
@@ -328,14 +329,22 @@ def _guard_modules(
     """Give ghosts their values when their module runs eagerly, convert ghosts on ``.to()``, refuse
     state-dict loads. Returns the hooks that lend the values."""
     names = {module: name for name, module in model.named_modules(remove_duplicate=False)}
-    in_order = {m: name for m, name in names.items() if m in holders}  # the model's order
-    eager = EagerWeights(in_order, engine.lock, engine.store, engine.memory)
+    borrowed = {
+        module: children
+        for module in names
+        if (children := [c for c in children_read_directly(module) if c in holders])
+    }
+    lenders = holders | set(borrowed)
+    in_order = {m: name for m, name in names.items() if m in lenders}  # the model's order
+    eager = EagerWeights(in_order, engine.lock, engine.store, engine.memory, borrowed)
     engine.memory_holders.append(eager)
     room = engine.memory.room(0)
     if room is not None:
         eager.tile_projections(room)
-    for module in holders:
+    for module in in_order:
         undo.extend(AttachedHook(handle) for handle in eager.install(module))
+        if module not in holders:
+            continue  # lent its children's weights only: their own ``_apply`` converts them
         undo.append(
             PatchedAttribute(module, "_apply", "_apply" in module.__dict__, module.__dict__.get("_apply"))
         )

@@ -71,8 +71,12 @@ class EagerWeights:
         lock: SharedLock,
         store: WeightStore,
         memory: MemoryModel | None = None,
+        borrowed: Mapping[nn.Module, list[nn.Module]] | None = None,
     ) -> None:
         self.names = dict(names)
+        # per module, the children whose weights its own code reads without calling them (``direct_reads``):
+        # their ghosts are lent to its calls with its own
+        self.borrowed = dict(borrowed or {})
         self.lock = lock
         self.store = store
         self.memory = memory  # the budget a module's lent weights must fit
@@ -188,7 +192,7 @@ class EagerWeights:
         self._lent.setdefault(module, []).append(lent)
         self._order.append(module)
         try:
-            ghosts = _ghosts(module)
+            ghosts = self._ghosts(module)
             for ghost, value in zip(ghosts, self._values(module, ghosts, lent), strict=True):
                 lent.swapped.append((ghost, ghost.data))
                 ghost.data = value
@@ -288,14 +292,14 @@ class EagerWeights:
 
     def lent_bytes(self, module: nn.Module) -> int:
         """Bytes an eager call of ``module`` brings in whole (its table read by rows is not)."""
-        ghosts = _ghosts(module)
+        ghosts = self._ghosts(module)
         return _whole_bytes(module, ghosts, self._ways(module, ghosts), self._tile_bytes(module))
 
     def lent_span(self, module: nn.Module) -> int:
         """What an eager call of ``module`` can hold mapped: its weights used in place from their files
         as the 2 MiB units of mapping they touch, each with the weights' bytes in it (a unit is mapped
         whole where the kernel keeps the file in 2 MiB folios: ``mapped_io``); the rest as ``lent_bytes``."""
-        ghosts = _ghosts(module)
+        ghosts = self._ghosts(module)
         whole = [
             (r, way)
             for r, way in _used_whole(module, ghosts, self._ways(module, ghosts), self.in_tiles(module))
@@ -309,7 +313,7 @@ class EagerWeights:
 
     def used_whole(self, module: nn.Module) -> list[str]:
         """The weights an eager call of ``module`` uses whole (not a table it reads rows of)."""
-        ghosts = _ghosts(module)
+        ghosts = self._ghosts(module)
         ways = self._ways(module, ghosts)
         return [record.name for record, _way in _used_whole(module, ghosts, ways, self.in_tiles(module))]
 
@@ -379,6 +383,14 @@ class EagerWeights:
             self.lock.release()
         return written
 
+    def _ghosts(self, module: nn.Module) -> list[nn.Parameter]:
+        """The ghosts an eager call of ``module`` is lent: its own, and those of the children it reads
+        without calling them."""
+        ghosts = _own_ghosts(module)
+        for child in self.borrowed.get(module, ()):
+            ghosts.extend(g for g in _own_ghosts(child) if all(g is not h for h in ghosts))
+        return ghosts
+
     def _warn_once(self, module: nn.Module, loaded: int) -> None:
         if module in self.warned:
             return
@@ -422,5 +434,5 @@ def _record(ghost: nn.Parameter) -> WeightRecord:
     return handle.record
 
 
-def _ghosts(module: nn.Module) -> list[nn.Parameter]:
+def _own_ghosts(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module._parameters.values() if p is not None and handle_of(p) is not None]

@@ -1,0 +1,117 @@
+"""Children whose weights a module reads without calling them, which its eager call must be lent too.
+
+A module's forward hooks lend its own weights (``eager_fallback``); a child's lend when the child is
+called. Some modules read a child's weight without calling it: Transformers' Mamba mixers compute
+``self.dt_proj.weight @ x`` and hand ``self.conv1d`` to a kernel's fallback that reads its weight. Run
+eagerly, such a read would see the child's ghost (NaN) wherever the weight is offloaded rather than kept
+resident (wide enough models). Two signs name those children:
+
+- Transformers' own declaration, ``@force_accelerate_hooks("conv1d", ...)`` on the forward, which makes
+  accelerate's offload hooks fire for those children around the parent's call;
+- the module's own code reading ``self.<child>.<parameter>`` in any method its class defines (a
+  captured graph reads these too, where the engine feeds them; only eager calls need them lent).
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+from collections.abc import Iterator
+from types import CodeType, FunctionType
+from typing import Any
+
+from torch import nn
+
+_LOADS_OF_SELF = {"LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE"}
+_ATTRIBUTE_LOADS = {"LOAD_ATTR", "LOAD_METHOD"}
+_NOT_STEPS = {"CACHE", "PRECALL", "EXTENDED_ARG"}  # bytecode between the loads of ``self.a.b`` (3.11)
+
+
+def children_read_directly(module: nn.Module) -> list[nn.Module]:
+    """The children of ``module`` whose parameters its own code reads without calling them (see the
+    module docstring), in the order of ``named_children``: those Transformers names to
+    ``force_accelerate_hooks``, and those the class's code reads as ``self.<child>.<parameter>`` and never
+    uses otherwise (a child it calls is lent its weights by its own call)."""
+    children = dict(module.named_children())
+    if not children:
+        return []
+    read: set[str] = set()
+    used: set[str] = set()
+    for code in _class_code(type(module)):
+        for child, attribute in _uses_of_children(code):
+            if attribute is not None and attribute in getattr(children.get(child), "_parameters", {}):
+                read.add(child)
+            else:
+                used.add(child)
+    named = set(_forced_children(type(module).forward)) | (read - used)
+    return [child for name, child in children.items() if name in named]
+
+
+def _forced_children(forward: Any) -> list[str]:
+    """The children named to Transformers' ``force_accelerate_hooks`` anywhere in ``forward``'s chain of
+    decorators (each keeps the next as ``__wrapped__``)."""
+    wrapper = _forcing_wrapper_code()
+    if wrapper is None:
+        return []
+    freevars = wrapper.co_freevars
+    names: list[str] = []
+    for _ in range(16):  # a chain of decorators, never a cycle in practice
+        if not callable(forward):
+            break
+        closure = getattr(forward, "__closure__", None)
+        if getattr(forward, "__code__", None) is wrapper and closure is not None:
+            listed = dict(zip(freevars, closure, strict=True))["child_module_names"].cell_contents
+            names.extend([listed] if isinstance(listed, str) else list(listed))
+        forward = getattr(forward, "__wrapped__", None)
+    return names
+
+
+@functools.cache
+def _forcing_wrapper_code() -> CodeType | None:
+    """The code of the wrapper ``force_accelerate_hooks`` puts around a forward (one code object for every
+    use); None where this Transformers has no such decorator."""
+    try:
+        from transformers.integrations.accelerate import force_accelerate_hooks
+    except ImportError:
+        return None
+    sample = force_accelerate_hooks("child")(lambda self: None)
+    return getattr(sample, "__code__", None)
+
+
+def _class_code(cls: type) -> Iterator[CodeType]:
+    """The code of every function ``cls`` and its bases up to torch's define, with what each nests
+    (comprehensions, local functions), each decorated function's innermost code included."""
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("torch.") or klass is object:
+            break
+        for value in vars(klass).values():
+            function = value
+            while isinstance(function, FunctionType):
+                yield from _nested(function.__code__)
+                function = getattr(function, "__wrapped__", None)
+
+
+def _nested(code: CodeType) -> Iterator[CodeType]:
+    yield code
+    for constant in code.co_consts:
+        if isinstance(constant, CodeType):
+            yield from _nested(constant)
+
+
+def _uses_of_children(code: CodeType) -> Iterator[tuple[str, str | None]]:
+    """``(a, b)`` for every ``self.a.b`` the code reads, ``(a, None)`` for every other use of ``self.a``
+    (a call, an argument); ``self``: the code's first argument, or the enclosing method's where the code
+    is nested. Attributes that are no child are filtered by the caller."""
+    self_names = {"self"} | ({code.co_varnames[0]} if code.co_argcount else set())
+    instructions = [i for i in dis.get_instructions(code) if i.opname not in _NOT_STEPS]
+    for at, first in enumerate(instructions[:-1]):
+        second = instructions[at + 1]
+        if (
+            first.opname not in _LOADS_OF_SELF
+            or first.argval not in self_names
+            or second.opname not in _ATTRIBUTE_LOADS
+        ):
+            continue
+        third = instructions[at + 2] if at + 2 < len(instructions) else None
+        read = third is not None and third.opname in _ATTRIBUTE_LOADS
+        yield str(second.argval), str(third.argval) if read and third is not None else None
