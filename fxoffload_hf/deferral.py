@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, format_bytes
@@ -80,6 +81,7 @@ class Deferral:
         counts_ram: bool,
         stats: Stats,
         counts_graph_state: bool = False,
+        offload_folder: Path | None = None,
     ) -> None:
         self.on = on  # calls run eagerly (while they fit)
         self.deferred_capture = on  # capture="deferred" was asked for
@@ -92,6 +94,7 @@ class Deferral:
         # the budget counts captured graphs' state (``CaptureBudget.in_budget``): a capture can be seen
         # not to fit before it is traced (``capture_cannot_fit``)
         self.counts_graph_state = counts_graph_state
+        self.offload_folder = offload_folder  # where weights held only in RAM go to make room (``config``)
         self.lending = Lending()  # how eager calls are lent weights now
         # where projections can be computed in tiles (``eager_tiles``), sized for the room beside a call:
         # turned on only by a call that does not fit as lent now and fits with them (tiles compute the
@@ -138,6 +141,8 @@ class Deferral:
                 activations=max(self._largest_need, expected), in_flight=self._lent_at_once()
             )
             kept = self._fill(room, room_to_keep)
+            if kept is None and self._spill_weights_only_in_ram():
+                kept = self._fill(room, room_to_keep)
             if kept is not None:
                 # the module lent now, and one read ahead in what keeping left (RAM not counted: no limit)
                 in_flight = self._lent_at_once() + max(room_to_keep - kept, 0)
@@ -233,8 +238,9 @@ class Deferral:
         """A refusal of a call captured because it did not fit as eager code: where that eager call
         needed less than the capture (a small model whose graphs' state outweighs its weights), the
         refusal names that budget too, the smallest that runs (as eager calls)."""
-        floor = self.eager_floor
-        if floor is None or floor >= refusal.smallest_budget:
+        floor, budget = self.eager_floor, self.memory.budget
+        # a floor the budget already meets is another call's: eager calls did not serve this one
+        if floor is None or floor >= refusal.smallest_budget or (budget is not None and floor <= budget):
             return refusal
         return BudgetTooSmallError(
             f"{refusal}; or pass {self.memory.budget_name}={floor} or more to run its calls as eager code, "
@@ -354,6 +360,19 @@ class Deferral:
                 self._kept.append(name)
                 held.add(record)
         return held.total if held.total <= room else None
+
+    def _spill_weights_only_in_ram(self) -> bool:
+        """Write the weights whose only copy is in RAM (a CPU run's weights materialized in memory, kept
+        at offload time because they fit the budget beside nothing else) to the offload folder, so that
+        they stream and an eager call's weights and activations fit beside what stays; whether any were
+        (the engine does the same for a captured graph's activations)."""
+        if not self.counts_ram or not any(
+            r.resident is not None and not self.store.movable(r) for r in self.store.records.values()
+        ):
+            return False
+        self.store.spill_ram(self.offload_folder)
+        report("weights held only in RAM written to disk: they left an eager call no room")
+        return True
 
     def _let_go(self, room: int) -> HeldBytes:
         """Stop keeping the weights kept last until those kept fit ``room`` bytes; the bytes kept then."""

@@ -93,6 +93,7 @@ class Engine:
             counts_ram,
             self.stats,
             counts_graph_state=self.captures.in_budget,
+            offload_folder=config.offload_folder,
         )
         self.eager_depth = 0  # entry-point calls running eagerly now (nested entry points inside one)
         # whatever else checks the budget (the deferral, eager calls' lent weights): given the memory model

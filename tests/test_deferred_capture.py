@@ -342,3 +342,46 @@ def test_a_call_that_surely_cannot_be_captured_is_refused_before_anything_is_tra
         assert torch.equal(logits(model, batch), logits(eager, batch))
     finally:
         fxoffload_hf.restore(model)
+
+
+def test_an_eager_floor_the_budget_already_meets_is_not_offered():
+    """``or_eagerly`` names the eager calls' floor only where it lies above the budget refused: a floor
+    below it is another call's (eager calls did not serve this one), and naming it sent a user round in a
+    circle (XLNet at 25%: refused naming 7%, refused there naming 8%, ... then 7% again)."""
+    from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel
+    from fxoffload_hf.stats import Stats
+    from fxoffload_hf.weights import WeightStore
+
+    memory = MemoryModel(10 * 2**20, "cpu_memory")
+    deferral = fxoffload_hf.deferral.Deferral(True, memory, WeightStore(torch.device("cpu")), True, Stats())
+    refusal = BudgetTooSmallError("captured needs more", smallest_budget=40 * 2**20)
+    deferral.eager_floor = 8 * 2**20
+    assert deferral.or_eagerly(refusal) is refusal
+    deferral.eager_floor = 12 * 2**20
+    offered = deferral.or_eagerly(refusal)
+    assert offered.smallest_budget == 12 * 2**20 and "to run its calls as eager code" in str(offered)
+
+
+@pytest.mark.usefixtures("counted_graph_state")
+def test_weights_held_only_in_ram_make_room_for_an_eager_call(tmp_path):
+    """XLNet's attention weights are materialized in RAM by its loading, not mapped from the checkpoint:
+    kept where the model computes because they fit the budget, they left its first eager call no room
+    beside its head, which was then captured and refused. They go to disk instead, and the call runs
+    eagerly and exactly."""
+    import transformers
+
+    config = transformers.XLNetConfig(vocab_size=1000, d_model=256, n_layer=2, n_head=4, d_inner=512)
+    torch.manual_seed(0)
+    transformers.XLNetLMHeadModel(config).save_pretrained(tmp_path)
+    reference = transformers.XLNetLMHeadModel.from_pretrained(tmp_path).eval()
+    ids = torch.randint(3, 1000, (1, 16), generator=torch.Generator().manual_seed(1))
+    # 3.3 MiB, 0.6 of the weights: the 2.5 MiB of attention weights fit, an eager call beside them does not
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=3_500_000, device="cpu", capture="deferred")
+    engine = fxoffload_hf.engine_of(model)
+    only_in_ram = [r.name for r in engine.store.records.values() if r.host is not None]
+    assert only_in_ram  # the attention's weights, as loaded
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert engine.runners == [] and engine.stats.eager_calls == 1
+    assert all(engine.store.records[name].host is None for name in only_in_ram)  # on disk now
+    fxoffload_hf.restore(model)
