@@ -37,13 +37,13 @@ from fxoffload_hf.eager_forwards import (
 )
 from fxoffload_hf.eager_ops import uncounted
 from fxoffload_hf.eager_read_ahead import ReadAhead
+from fxoffload_hf.eager_sizes import lent_ghosts, record_of, weights_used_whole, whole_bytes
 from fxoffload_hf.eager_tiles import project_in_tiles, projects_by_rows, rows_per_eager_tile, tile_bytes
-from fxoffload_hf.loaders import ROWS_WHERE_THEY_LIE, Way, way_of
+from fxoffload_hf.loaders import Way, way_of
 from fxoffload_hf.mapped_io import MappedGroup
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
 from fxoffload_hf.progress import report
 from fxoffload_hf.safetensors_io import TensorSlice
-from fxoffload_hf.weight_record import WeightRecord
 from fxoffload_hf.weight_rescaling import weight_write_error
 from fxoffload_hf.weights import WeightStore
 
@@ -198,7 +198,7 @@ class EagerWeights:
                 ghost.data = value
                 lent.versions.append(ghost._version)
                 if lends_grad_flag:  # as the runner's weights do (``loaders.as_parameters``)
-                    ghost.requires_grad_(_record(ghost).requires_grad)
+                    ghost.requires_grad_(record_of(ghost).requires_grad)
             self._read_ahead_after(module)
             if self.warn:
                 self._warn_once(module, sum(g.numel() * g.element_size() for g, _ in lent.swapped))
@@ -215,7 +215,7 @@ class EagerWeights:
         ways = self._ways(module, ghosts)
         self._check_fits(module, ghosts, ways)
         for i, (ghost, way) in enumerate(zip(ghosts, ways, strict=True)):
-            record = _record(ghost)
+            record = record_of(ghost)
             if self._tiled(module, ghost):
                 values[i] = ghost.data  # computed in tiles, lent one at a time (``project``)
             elif way is Way.HELD:
@@ -228,7 +228,7 @@ class EagerWeights:
                 values[i] = self.store.read(record).to(ghost.device, ghost.dtype)
         if in_place:
             files = self.store.files
-            sources = tuple(_record(ghosts[i]).disk for i in in_place)
+            sources = tuple(record_of(ghosts[i]).disk for i in in_place)
             cached = self._groups.get(module)
             if cached is not None and cached[0] == sources and files.is_current(cached[1]):
                 group = cached[1]
@@ -247,7 +247,7 @@ class EagerWeights:
         """How each ghost's weight comes in for an eager call, as the runner's loads bring it in (a plain
         embedding's table read by rows)."""
         return [
-            way_of(_record(g), g.device.type, rows_only=reads_rows(module, g.device.type)) for g in ghosts
+            way_of(record_of(g), g.device.type, rows_only=reads_rows(module, g.device.type)) for g in ghosts
         ]
 
     def in_tiles(self, module: nn.Module) -> bool:
@@ -270,15 +270,15 @@ class EagerWeights:
         weight = module._parameters.get("weight")
         if rows is None or weight is None:
             return 0
-        return tile_bytes(_record(weight), rows, weight.device.type)
+        return tile_bytes(record_of(weight), rows, weight.device.type)
 
     def _check_fits(self, module: nn.Module, ghosts: list[nn.Parameter], ways: list[Way]) -> None:
         """Refuse an eager call whose weights, whole, cannot fit the budget."""
         room = None if self.memory is None else self.memory.room(0)
-        whole = _whole_bytes(module, ghosts, ways, self._tile_bytes(module))
+        whole = whole_bytes(module, ghosts, ways, self._tile_bytes(module))
         if room is not None and whole > room and module in self.tile_rows:
             self.use_tiles(room)  # lent as it is, it does not fit: in tiles (smaller ones) from now on
-            whole = _whole_bytes(module, ghosts, ways, self._tile_bytes(module))
+            whole = whole_bytes(module, ghosts, ways, self._tile_bytes(module))
         if room is None or whole <= room:
             return
         name = self.names.get(module, "")
@@ -293,7 +293,7 @@ class EagerWeights:
     def lent_bytes(self, module: nn.Module) -> int:
         """Bytes an eager call of ``module`` brings in whole (its table read by rows is not)."""
         ghosts = self._ghosts(module)
-        return _whole_bytes(module, ghosts, self._ways(module, ghosts), self._tile_bytes(module))
+        return whole_bytes(module, ghosts, self._ways(module, ghosts), self._tile_bytes(module))
 
     def lent_span(self, module: nn.Module) -> int:
         """What an eager call of ``module`` can hold mapped: its weights used in place from their files
@@ -302,7 +302,9 @@ class EagerWeights:
         ghosts = self._ghosts(module)
         whole = [
             (r, way)
-            for r, way in _used_whole(module, ghosts, self._ways(module, ghosts), self.in_tiles(module))
+            for r, way in weights_used_whole(
+                module, ghosts, self._ways(module, ghosts), self.in_tiles(module)
+            )
             if way is not Way.HELD
         ]
         files = self.store.files
@@ -315,7 +317,9 @@ class EagerWeights:
         """The weights an eager call of ``module`` uses whole (not a table it reads rows of)."""
         ghosts = self._ghosts(module)
         ways = self._ways(module, ghosts)
-        return [record.name for record, _way in _used_whole(module, ghosts, ways, self.in_tiles(module))]
+        return [
+            record.name for record, _way in weights_used_whole(module, ghosts, ways, self.in_tiles(module))
+        ]
 
     def _read_ahead_after(self, module: nn.Module) -> None:
         """Note that ``module`` follows the module lent weights before it, and read ahead the pages of
@@ -371,7 +375,7 @@ class EagerWeights:
             lent = stack.pop()
             for (ghost, _held), version in zip(lent.swapped, lent.versions, strict=False):
                 if ghost._version != version:
-                    written.append(_record(ghost).name)
+                    written.append(record_of(ghost).name)
             for ghost, held in reversed(lent.swapped):
                 ghost.data = held
                 ghost.requires_grad_(False)
@@ -384,12 +388,7 @@ class EagerWeights:
         return written
 
     def _ghosts(self, module: nn.Module) -> list[nn.Parameter]:
-        """The ghosts an eager call of ``module`` is lent: its own, and those of the children it reads
-        without calling them."""
-        ghosts = _own_ghosts(module)
-        for child in self.borrowed.get(module, ()):
-            ghosts.extend(g for g in _own_ghosts(child) if all(g is not h for h in ghosts))
-        return ghosts
+        return lent_ghosts(module, self.borrowed.get(module, ()))
 
     def _warn_once(self, module: nn.Module, loaded: int) -> None:
         if module in self.warned:
@@ -404,35 +403,3 @@ class EagerWeights:
             EagerFallbackWarning,
             stacklevel=4,  # the module call that ran it (through before and _lend)
         )
-
-
-def _whole_bytes(module: nn.Module, ghosts: list[nn.Parameter], ways: list[Way], tile: int) -> int:
-    """Bytes an eager call brings in whole: not the kept weights, nor a table read by rows where it lies
-    (host RAM, or its file's pages, faulted in by the rows read); ``tile``: what one tile of a weight
-    computed in tiles holds (0: none is)."""
-    used = _used_whole(module, ghosts, ways, tile > 0)
-    return sum(record.footprint for record, way in used if way is not Way.HELD) + tile
-
-
-def _used_whole(
-    module: nn.Module, ghosts: list[nn.Parameter], ways: list[Way], tiled: bool
-) -> list[tuple[WeightRecord, Way]]:
-    """The weights an eager call of ``module`` uses whole, with the way each comes: not a table it reads
-    rows of where the table lies, nor a weight it computes with in tiles (``tiled``)."""
-    weight = module._parameters.get("weight")
-    return [
-        (_record(g), way)
-        for g, way in zip(ghosts, ways, strict=True)
-        if not (way in ROWS_WHERE_THEY_LIE and reads_rows(module, g.device.type))
-        and not (tiled and g is weight)
-    ]
-
-
-def _record(ghost: nn.Parameter) -> WeightRecord:
-    handle = handle_of(ghost)
-    assert handle is not None
-    return handle.record
-
-
-def _own_ghosts(module: nn.Module) -> list[nn.Parameter]:
-    return [p for p in module._parameters.values() if p is not None and handle_of(p) is not None]
