@@ -22,8 +22,10 @@ from typing import Any
 
 from torch import nn
 
-_LOADS_OF_SELF = {"LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE"}
+_LOADS_OF_SELF = {"LOAD_FAST", "LOAD_DEREF"}  # a method's argument, or a nested function's closure
 _ATTRIBUTE_LOADS = {"LOAD_ATTR", "LOAD_METHOD"}
+# what a ghost tells as it is (its values are never read for these)
+_METADATA = {"dtype", "device", "shape", "size", "ndim", "dim", "is_cuda", "requires_grad", "numel"}
 _NOT_STEPS = {"CACHE", "PRECALL", "EXTENDED_ARG"}  # bytecode between the loads of ``self.a.b`` (3.11)
 
 
@@ -35,16 +37,35 @@ def children_read_directly(module: nn.Module) -> list[nn.Module]:
     children = dict(module.named_children())
     if not children:
         return []
+    known = _CLASS_READS.get(type(module))
+    if known is None:
+        known = _CLASS_READS[type(module)] = _class_reads(type(module))
+    forced, reads, uses = known
     read: set[str] = set()
-    used: set[str] = set()
-    for code in _class_code(type(module)):
-        for child, attribute in _uses_of_children(code):
-            if attribute is not None and attribute in getattr(children.get(child), "_parameters", {}):
-                read.add(child)
-            else:
-                used.add(child)
-    named = set(_forced_children(type(module).forward)) | (read - used)
+    used = set(uses)  # an attribute other than a parameter (a method, ``kernel_size``) counts as a use
+    for child, attribute in reads:
+        parameters = getattr(children.get(child), "_parameters", {})
+        (read if attribute in parameters else used).add(child)
+    named = set(forced) | (read - used)
     return [child for name, child in children.items() if name in named]
+
+
+_Reads = tuple[tuple[str, ...], frozenset[tuple[str, str]], frozenset[str]]
+_CLASS_READS: dict[type, _Reads] = {}  # by module class: a model repeats its classes
+
+
+def _class_reads(cls: type) -> _Reads:
+    """For a module class: the children its forward names to ``force_accelerate_hooks``, every
+    ``self.a.b`` its code reads, and every ``a`` of a ``self.a`` it uses otherwise (a call, an argument)."""
+    reads: set[tuple[str, str]] = set()
+    uses: set[str] = set()
+    for code, self_name in _class_code(cls):
+        for child, attribute in _uses_of_children(code, self_name):
+            if attribute is None:
+                uses.add(child)
+            else:
+                reads.add((child, attribute))
+    return tuple(_forced_children(getattr(cls, "forward", None))), frozenset(reads), frozenset(uses)
 
 
 def _forced_children(forward: Any) -> list[str]:
@@ -78,16 +99,19 @@ def _forcing_wrapper_code() -> CodeType | None:
     return getattr(sample, "__code__", None)
 
 
-def _class_code(cls: type) -> Iterator[CodeType]:
+def _class_code(cls: type) -> Iterator[tuple[CodeType, str]]:
     """The code of every function ``cls`` and its bases up to torch's define, with what each nests
-    (comprehensions, local functions), each decorated function's innermost code included."""
+    (comprehensions, local functions, which reach ``self`` through a closure), each decorated function's
+    innermost code included; each with the name its method calls ``self``."""
     for klass in cls.__mro__:
         if klass.__module__.startswith("torch.") or klass is object:
             break
         for value in vars(klass).values():
             function = value
             while isinstance(function, FunctionType):
-                yield from _nested(function.__code__)
+                code = function.__code__
+                self_name = code.co_varnames[0] if code.co_argcount else "self"
+                yield from ((nested, self_name) for nested in _nested(code))
                 function = getattr(function, "__wrapped__", None)
 
 
@@ -98,20 +122,23 @@ def _nested(code: CodeType) -> Iterator[CodeType]:
             yield from _nested(constant)
 
 
-def _uses_of_children(code: CodeType) -> Iterator[tuple[str, str | None]]:
+def _uses_of_children(code: CodeType, self_name: str) -> Iterator[tuple[str, str | None]]:
     """``(a, b)`` for every ``self.a.b`` the code reads, ``(a, None)`` for every other use of ``self.a``
-    (a call, an argument); ``self``: the code's first argument, or the enclosing method's where the code
-    is nested. Attributes that are no child are filtered by the caller."""
-    self_names = {"self"} | ({code.co_varnames[0]} if code.co_argcount else set())
+    (a call, an argument), ``self`` being ``self_name``. Attributes that are no child are filtered by the
+    caller."""
     instructions = [i for i in dis.get_instructions(code) if i.opname not in _NOT_STEPS]
     for at, first in enumerate(instructions[:-1]):
         second = instructions[at + 1]
         if (
             first.opname not in _LOADS_OF_SELF
-            or first.argval not in self_names
+            or first.argval != self_name
             or second.opname not in _ATTRIBUTE_LOADS
         ):
             continue
         third = instructions[at + 2] if at + 2 < len(instructions) else None
-        read = third is not None and third.opname in _ATTRIBUTE_LOADS
-        yield str(second.argval), str(third.argval) if read and third is not None else None
+        if third is None or third.opname not in _ATTRIBUTE_LOADS:
+            yield str(second.argval), None
+            continue
+        fourth = instructions[at + 3] if at + 3 < len(instructions) else None
+        if fourth is None or fourth.opname not in _ATTRIBUTE_LOADS or fourth.argval not in _METADATA:
+            yield str(second.argval), str(third.argval)  # ``self.a.b.dtype`` reads no value

@@ -24,6 +24,18 @@ class ReadsTable(nn.Module):
         return self.projection(x) + x @ self.table.weight
 
 
+class ReadsDtype(nn.Module):
+    """Reads only what ``table``'s weight is, not its values, and calls ``projection``."""
+
+    def __init__(self, width: int = 128) -> None:
+        super().__init__()
+        self.table = nn.Embedding(width, width)
+        self.projection = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projection(x.to(self.table.weight.dtype))
+
+
 def _mamba(**sizes: int) -> transformers.MambaConfig:
     # hidden 512: ``dt_proj`` (1024 x 32) and, with a 16-wide kernel, ``conv1d`` (1024 x 1 x 16) are 64 KiB
     # or more, so they stream instead of staying resident
@@ -39,6 +51,7 @@ def test_children_read_without_a_call_are_found():
     assert children_read_directly(mixer) == [mixer.conv1d, mixer.dt_proj]
     reads = ReadsTable()
     assert children_read_directly(reads) == [reads.table]  # read as ``self.table.weight``; projection called
+    assert children_read_directly(ReadsDtype()) == []  # a ghost's dtype is its weight's: nothing to lend
     llama = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
             vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
