@@ -147,7 +147,7 @@ def offload(
                     host_room.read_into_ram(store, _host_room(store, config))
             store.pin_host_memory()
         holders = _install_ghosts(large, store, config.device, undo)
-        eager = _guard_modules(model, holders, engine, undo)
+        eager = _guard_modules(model, holders, engine, undo, entry_points)
         if engine.deferring:
             _tell_deferral_how_calls_are_lent(eager, holders, engine)
         _take_eager_code_paths(model, undo)
@@ -324,10 +324,12 @@ def _install_ghosts(
 
 
 def _guard_modules(
-    model: nn.Module, holders: set[nn.Module], engine: Engine, undo: list[Undo]
+    model: nn.Module, holders: set[nn.Module], engine: Engine, undo: list[Undo], entry_points: tuple[str, ...]
 ) -> EagerWeights:
-    """Give ghosts their values when their module runs eagerly, convert ghosts on ``.to()``, refuse
-    state-dict loads. Returns the hooks that lend the values."""
+    """Give ghosts their values when their module runs eagerly (an entry point's own module: when its
+    entry point runs it so), convert ghosts on ``.to()``, refuse state-dict loads. Returns the hooks that
+    lend the values."""
+    targets = {entries.entry_target(model, entry) for entry in entry_points}
     names = {module: name for name, module in model.named_modules(remove_duplicate=False)}
     borrowed = {
         module: children
@@ -342,7 +344,7 @@ def _guard_modules(
     if room is not None:
         eager.tile_projections(room)
     for module in in_order:
-        undo.extend(AttachedHook(handle) for handle in eager.install(module))
+        undo.extend(AttachedHook(handle) for handle in eager.install(module, hooks=module not in targets))
         if module not in holders:
             continue  # lent its children's weights only: their own ``_apply`` converts them
         undo.append(

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,8 +157,10 @@ class EagerWeights:
         finally:
             self.tiling = was
 
-    def install(self, module: nn.Module) -> list[Any]:
-        """Attach the hooks to ``module``; the removable handles.
+    def install(self, module: nn.Module, hooks: bool = True) -> list[Any]:
+        """Attach the hooks to ``module``; the removable handles. ``hooks`` False: an entry point's own
+        module, whose call the entry point captures or lends to itself when it runs it eagerly
+        (``lending_to``); hooks would lend around a captured call too, outside it.
 
         A forward that dynamo is told never to trace (``torch.compiler.disable``) would run eagerly
         after its hooks were traced (and did nothing): it is wrapped instead, in a wrapper dynamo does not
@@ -165,12 +168,31 @@ class EagerWeights:
         if getattr(module.forward, "_torchdynamo_disable", False):
             return [EagerForward(module, self)]
         weight_names = [name for name, p in module._parameters.items() if handle_of(p) is not None]
+        attached = (
+            [
+                module.register_forward_pre_hook(self.before),
+                module.register_forward_hook(self.after, always_call=True),
+            ]
+            if hooks
+            else []
+        )
         return [
-            module.register_forward_pre_hook(self.before),
-            module.register_forward_hook(self.after, always_call=True),
+            *attached,
             LendsAfterBreak(module, self),
             *(LendsToMethod(module, name, self) for name in methods_reading_weights(module, weight_names)),
         ]
+
+    @contextmanager
+    def lending_to(self, module: nn.Module) -> Iterator[None]:
+        """``module``'s weights lent around an eager call its hooks leave alone (``install``)."""
+        if module not in self.names:
+            yield
+            return
+        self.before(module, ())
+        try:
+            yield
+        finally:
+            self.after(module, (), None)
 
     def holds(self, module: nn.Module) -> bool:
         """Whether ``module``'s ghosts hold lent values now (a call of it is running eagerly)."""

@@ -52,11 +52,17 @@ def wrap(
         setattr(model, "_prepare_cache_for_generation", reserve_default_cache(prepare, engine.device))  # noqa: B010
 
 
-def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeights, undo: list[Undo]) -> None:
-    """Route ``model.<entry>`` through the engine (compiled with it as the backend)."""
+def entry_target(model: nn.Module, entry: str) -> nn.Module:
+    """The module whose method ``entry`` names (``model.encoder.forward``: the encoder)."""
     target = model
     for part in entry.split(".")[:-1]:
         target = getattr(target, part)
+    return target
+
+
+def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeights, undo: list[Undo]) -> None:
+    """Route ``model.<entry>`` through the engine (compiled with it as the backend)."""
+    target = entry_target(model, entry)
     attr = entry.split(".")[-1]
     # a module holding weights itself has its forward wrapped by the eager fallback (never compiled)
     original = unwrapped_forward(getattr(target, attr))
@@ -78,7 +84,7 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
             try:
                 deferral = engine.deferral
                 if engine.eager_depth:
-                    return _run_eagerly(engine, eager, original, args, kwargs)
+                    return _run_eagerly(engine, eager, target, original, args, kwargs)
                 engine.captures.progress.starts()
                 # after deferring ended, only a call no graph serves may run eagerly: the calls graphs
                 # serve (every decode step) are not bounded at all
@@ -91,7 +97,7 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                     if deferral.runs_eagerly(need, expected) or (
                         uncaptured and deferral.runs_uncaptured(need, expected)
                     ):
-                        return _run_eagerly(engine, eager, original, args, kwargs)
+                        return _run_eagerly(engine, eager, target, original, args, kwargs)
                 engine.call_started = time.perf_counter()
                 capturing = True
                 with compile_cache.running(engine):
@@ -103,7 +109,7 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                 refused = inner if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed) else exc
                 if capturing and engine.deferral.by_choice and isinstance(refused, BudgetTooSmallError):
                     engine.deferral.stay_eager(refused)  # captured for speed, which this budget cannot give
-                    return _run_eagerly(engine, eager, original, args, kwargs)
+                    return _run_eagerly(engine, eager, target, original, args, kwargs)
                 if capturing and isinstance(refused, BudgetTooSmallError):
                     smaller = engine.deferral.or_eagerly(refused)  # eager calls may need less
                     if smaller is not refused:
@@ -133,13 +139,20 @@ def _entry_cache(model: nn.Module, entry: str, engine: Engine) -> compile_cache.
 
 
 def _run_eagerly(
-    engine: Engine, eager: EagerWeights, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    engine: Engine,
+    eager: EagerWeights,
+    target: nn.Module,
+    original: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> Any:
     """One call of an entry point as eager code, before capture (``capture="deferred"``): the eager
-    fallback hooks lend each module its weights, without their warning (this is on purpose). An entry
-    point called inside it (an encoder inside the full forward) is part of the same call."""
+    fallback hooks lend each module its weights, without their warning (this is on purpose), the entry
+    point's own module here (its hooks would lend around captured calls too). An entry point called inside
+    it (an encoder inside the full forward) is part of the same call."""
     if engine.eager_depth:
-        return original(*args, **kwargs)
+        with eager.lending_to(target):
+            return original(*args, **kwargs)
     lent_before, warned = eager.lends, eager.warn
     start = time.perf_counter()
     eager.warn = False
@@ -149,7 +162,7 @@ def _run_eagerly(
     # some calls: ``Deferral.counts_this_call``)
     counter = OpCounter(active=engine.deferral.counts_this_call())
     try:
-        with counter:
+        with counter, eager.lending_to(target):
             return original(*args, **kwargs)
     finally:
         engine.eager_depth -= 1

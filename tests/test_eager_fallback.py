@@ -429,3 +429,62 @@ def test_a_method_called_instead_of_the_module_gets_its_weights(tmp_path, weight
         fxoffload_hf.restore(model)
     # the main stream's logits and the predicting streams' (which use the position embedding's _forward)
     assert torch.equal(got.logits, expected.logits) and torch.equal(got.logits_ngram, expected.logits_ngram)
+
+
+class _RootWithWeight(nn.Module):
+    """A model whose own module holds a large weight (no child to call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(1024, 256) / 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, self.weight.t()).tanh()
+
+
+@pytest.mark.parametrize("budget", ["512KiB", "8MiB"], ids=["refused", "captured"])
+def test_an_entry_points_own_weights_are_not_lent_around_its_captured_call(budget):
+    """The entry point's own module is captured: hooks on it would lend its weights whole around the
+    captured call, outside it (a second copy, refused at a budget the graph fits), and a refusal named
+    an eager call that was not run."""
+    torch.manual_seed(0)
+    model = _RootWithWeight()
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        want = model(x)
+    fxoffload_hf.offload(model, cpu_memory=budget, device="cpu", capture="first-call")
+    try:
+        with torch.no_grad():
+            if budget == "512KiB":
+                with pytest.raises(
+                    BudgetTooSmallError, match=r"weight takes 1.00 MiB and must fit whole: its use"
+                ):
+                    model(x)
+            else:
+                assert torch.equal(model(x), want)
+        engine = fxoffload_hf.engine_of(model)
+        assert engine.memory_holders[-1].lends == 0  # nothing lent outside the graph
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_an_entry_point_run_eagerly_lends_its_own_weights(monkeypatch):
+    """Deferred, the entry point runs its own module as eager code and lends it its weights for the call
+    (its hooks do not: ``lending_to``)."""
+    import fxoffload_hf.entries
+
+    monkeypatch.setattr(fxoffload_hf.entries, "eager_call_bytes", lambda *args, **kwargs: 0)  # bounded
+    torch.manual_seed(0)
+    model = _RootWithWeight()
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        want = model(x)
+    fxoffload_hf.offload(model, cpu_memory="8MiB", device="cpu", capture="deferred")
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+        engine = fxoffload_hf.engine_of(model)
+        assert engine.runners == [] and engine.stats.eager_calls == 1
+        assert engine.memory_holders[-1].lends == 1 and torch.isnan(model.weight).all()
+    finally:
+        fxoffload_hf.restore(model)
