@@ -80,6 +80,7 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
         with engine.lock, eager_paths.inside(masks_by_value=engine.device.type == "cuda"):
             lent = eager.mark()
             graphs = len(engine.runners)
+            ran_before = (engine.stats.runs, engine.stats.pieces_run)
             capturing = False
             try:
                 deferral = engine.deferral
@@ -109,7 +110,16 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                 refused = inner if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed) else exc
                 if capturing and engine.deferral.by_choice and isinstance(refused, BudgetTooSmallError):
                     engine.deferral.stay_eager(refused)  # captured for speed, which this budget cannot give
-                    return _run_eagerly(engine, eager, target, original, args, kwargs)
+                    if (engine.stats.runs, engine.stats.pieces_run) == ran_before:
+                        return _run_eagerly(engine, eager, target, original, args, kwargs)
+                    # graphs of this call ran before a later one was refused (graph breaks): what they did
+                    # (a KV cache extended) cannot be undone, so the call is not run again
+                    raise BudgetTooSmallError(
+                        f"{refused}. This call was being captured for speed and part of it had run when a later "
+                        "graph of it was refused; it cannot be run again from where it stopped. Calls run as eager "
+                        "code from now on: call it again (a generate from its start)",
+                        smallest_budget=refused.smallest_budget,
+                    ) from None
                 if capturing and isinstance(refused, BudgetTooSmallError):
                     smaller = engine.deferral.or_eagerly(refused)  # eager calls may need less
                     if smaller is not refused:
