@@ -365,12 +365,12 @@ class Deferral:
         """Write the weights whose only copy is in RAM (a CPU run's weights materialized in memory, kept
         at offload time because they fit the budget beside nothing else) to the offload folder, so that
         they stream and an eager call's weights and activations fit beside what stays; whether any were
-        (the engine does the same for a captured graph's activations)."""
-        if not self.counts_ram or not any(
-            r.resident is not None and not self.store.movable(r) for r in self.store.records.values()
-        ):
+        (``Engine._make_room_for_activations`` does the same for a captured graph's activations)."""
+        # on a GPU run weights in RAM are the host tier, which streams: only a CPU run's stay put
+        if not self.counts_ram or self.store.device.type != "cpu":
             return False
-        self.store.spill_ram(self.offload_folder)
+        if self.store.spill_ram(self.offload_folder) is None:
+            return False
         report("weights held only in RAM written to disk: they left an eager call no room")
         return True
 
