@@ -17,7 +17,6 @@ call is computed in tiles of rows, lent one at a time (``eager_tiles``).
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,15 +35,15 @@ from fxoffload_hf.eager_forwards import (
     methods_reading_weights,
     reads_rows,
 )
+from fxoffload_hf.eager_groups import ModuleGroups
 from fxoffload_hf.eager_ops import uncounted
-from fxoffload_hf.eager_read_ahead import ReadAhead
+from fxoffload_hf.eager_read_ahead import CallOrder, ReadAhead
 from fxoffload_hf.eager_sizes import lent_ghosts, record_of, weights_used_whole, whole_bytes
 from fxoffload_hf.eager_tiles import project_in_tiles, projects_by_rows, rows_per_eager_tile, tile_bytes
 from fxoffload_hf.loaders import Way, way_of
 from fxoffload_hf.mapped_io import MappedGroup
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
 from fxoffload_hf.progress import report
-from fxoffload_hf.safetensors_io import TensorSlice
 from fxoffload_hf.weight_rescaling import weight_write_error
 from fxoffload_hf.weights import WeightStore
 
@@ -86,14 +85,10 @@ class EagerWeights:
         self.lends = 0  # module calls given weights, over the model's life
         # per module, a stack (calls may nest) of what each call was lent
         self._lent: dict[nn.Module, list[_Lent]] = {}
-        # per module, its last mapped group and the sources it maps (weights move between tiers)
-        self._groups: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[TensorSlice, ...], MappedGroup]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self.groups = ModuleGroups(store.files)  # per module, the mapped group it was lent last
         self._order: list[nn.Module] = []  # modules holding lent weights now, innermost last (``unwind``)
-        # the order modules were lent weights in: the next one's pages are read ahead while one computes
-        self._next: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
-        self._previous: weakref.ReferenceType[nn.Module] | None = None
+        # the order modules are lent weights in: the next one's pages are read ahead while one computes
+        self.order = CallOrder(list(self.names))
         # where pages are dropped after use, the next module's faulted in on a thread (deferred calls)
         self.ahead = ReadAhead(store.files, store.drop_cache)
         # ``lent_span`` per module, with what it depends on (``_span_now``)
@@ -233,37 +228,36 @@ class EagerWeights:
         serve as they lie (the CPU) as views of the file's pages (no copy; unmapped by ``after``, as the
         runner's loads are), the others read."""
         values: dict[int, torch.Tensor] = {}
-        in_place: list[int] = []
         ways = self._ways(module, ghosts)
         self._check_fits(module, ghosts, ways)
+        in_place = self._in_place(module, ghosts, ways)
         for i, (ghost, way) in enumerate(zip(ghosts, ways, strict=True)):
             record = record_of(ghost)
+            if i in in_place:
+                continue
             if self._tiled(module, ghost):
                 values[i] = ghost.data  # computed in tiles, lent one at a time (``project``)
             elif way is Way.HELD:
                 values[i] = record.resident  # type: ignore[assignment]
             elif way is Way.ROWS:
                 values[i] = record.host  # type: ignore[assignment]
-            elif way is Way.MAPPED and ghost.dtype == record.dtype:
-                in_place.append(i)
             else:
                 values[i] = self.store.read(record).to(ghost.device, ghost.dtype)
         if in_place:
-            files = self.store.files
-            sources = tuple(record_of(ghosts[i]).disk for i in in_place)
-            cached = self._groups.get(module)
-            if cached is not None and cached[0] == sources and files.is_current(cached[1]):
-                group = cached[1]
-            else:
-                # a table read by lookups is not faulted in whole: its rows fault in as they are read
-                fault_in = [not isinstance(module, nn.Embedding)] * len(sources)
-                group = files.group(list(sources), fault_in)  # type: ignore[arg-type]
-                self._groups[module] = (sources, group)  # type: ignore[assignment]
+            group = self.groups.of(module, tuple(record_of(ghosts[i]).disk for i in in_place))  # type: ignore[misc]
             lent.mapped = group  # before acquire: a failed page read still gives its hold back
             if not self.ahead.take(module, group):
-                files.acquire(group)
+                self.store.files.acquire(group)
             values.update(zip(in_place, group.views, strict=True))
         return [values[i] for i in range(len(ghosts))]
+
+    def _in_place(self, module: nn.Module, ghosts: list[nn.Parameter], ways: list[Way]) -> list[int]:
+        """Which of ``ghosts`` are lent as views of their file's pages (``_values``)."""
+        return [
+            i
+            for i, (ghost, way) in enumerate(zip(ghosts, ways, strict=True))
+            if way is Way.MAPPED and ghost.dtype == record_of(ghost).dtype and not self._tiled(module, ghost)
+        ]
 
     def _ways(self, module: nn.Module, ghosts: list[nn.Parameter]) -> list[Way]:
         """How each ghost's weight comes in for an eager call, as the runner's loads bring it in (a plain
@@ -344,19 +338,28 @@ class EagerWeights:
         ]
 
     def _read_ahead_after(self, module: nn.Module) -> None:
-        """Note that ``module`` follows the module lent weights before it, and read ahead the pages of
-        the module that followed it last time (eager calls repeat their order: decode steps, batches)."""
-        previous = self._previous() if self._previous is not None else None
-        if previous is not None and previous is not module:
-            self._next[previous] = module
-        self._previous = weakref.ref(module)
-        following = self._next.get(module)
-        cached = self._groups.get(following) if following is not None else None
-        if cached is None:
+        """Read ahead the pages of the module expected to be lent weights after ``module``
+        (``CallOrder``)."""
+        following = self.order.after(module)
+        group = self._group_ahead(following) if following is not None else None
+        if following is None or group is None:
             return
-        assert following is not None
-        if not (self.ahead.wanted() and self.ahead.start(following, cached[1], self._span_now(module))):
-            self.store.read_ahead(cached[1])
+        if not (self.ahead.wanted() and self.ahead.start(following, group, self._span_now(module))):
+            self.store.read_ahead(group)
+
+    def _group_ahead(self, module: nn.Module) -> MappedGroup | None:
+        """The mapped group ``module``'s next call will be lent, if any: the one its last call had, or,
+        before its first, the one it will have."""
+        version = self.store.version
+        group = self.groups.last(module)
+        if group is not None or self.groups.none_at(module, version):
+            return group
+        ghosts = self._ghosts(module)
+        in_place = self._in_place(module, ghosts, self._ways(module, ghosts))
+        if not in_place:
+            self.groups.note_none(module, version)
+            return None
+        return self.groups.of(module, tuple(record_of(ghosts[i]).disk for i in in_place))  # type: ignore[misc]
 
     def _span_now(self, module: nn.Module) -> int:
         """``lent_span`` of ``module``, kept while the weights' tiers and the tiles stay as they are."""

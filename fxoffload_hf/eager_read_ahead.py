@@ -4,8 +4,8 @@ Eager calls (deferred capture's) lend each module its weights in turn, in an ord
 steps, batches). Where pages are dropped after each use (under a memory limit) the kernel's own read-ahead
 does not serve (``WeightStore.read_ahead``): each module's pages would be read only when its call begins,
 the disk and the compute by turns. Where the budget leaves room for the next module's pages beside those of
-the module lent now (``Deferral.in_flight_room``), the module that followed last time has its pages
-faulted in and held (as a piece in flight is) on a reader thread while the current one computes; its call
+the module lent now (``Deferral.in_flight_room``), the module that followed last time (on a first call,
+the one declared next: ``CallOrder``) has its pages faulted in and held (as a piece in flight is) on a reader thread while the current one computes; its call
 then finds them in. A prediction that misses, and the one pending when the entry call ends, is let go.
 """
 
@@ -17,6 +17,27 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from torch import nn
 
 from fxoffload_hf.mapped_io import UNIT_BYTES, MappedFiles, MappedGroup
+
+
+class CallOrder:
+    """The order modules are lent weights in, learnt as calls run: which module is expected after one."""
+
+    def __init__(self, declared: list[nn.Module]) -> None:
+        self._next: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+        self._previous: weakref.ReferenceType[nn.Module] | None = None
+        # before a call has shown what follows a module: the one declared after it
+        self._declared_next = dict(zip(declared, declared[1:], strict=False))
+
+    def after(self, module: nn.Module) -> nn.Module | None:
+        """Note that ``module`` is lent weights now, after the module lent them before it; the module that
+        followed it last time (eager calls repeat their order: decode steps, batches) or, before any call
+        has followed it, the module after it in the model's order (a first call: layers run in the order
+        they are declared, in every Transformers model read)."""
+        previous = self._previous() if self._previous is not None else None
+        if previous is not None and previous is not module:
+            self._next[previous] = module
+        self._previous = weakref.ref(module)
+        return self._next.get(module) or self._declared_next.get(module)
 
 
 class ReadAhead:

@@ -226,12 +226,16 @@ def test_eager_calls_read_the_next_modules_pages_ahead_in_the_order_they_ran(tmp
         x = torch.randn(1, 3, 128)
         with _calling_submodules():
             mlp(x)
-            assert asked == []  # the order is learnt from a first call
+            first = list(asked)
+            asked.clear()
             mlp(x)
         hooks = next(iter(mlp.up_proj._forward_pre_hooks.values())).__self__  # the model's EagerWeights
-        groups = hooks._groups
-        # while each projection computes, the pages of the one after it are read ahead (the last one's
-        # successor is the first: the call repeats)
+        groups = hooks.groups._groups
+        # a first call reads ahead the module declared next (the MLP declares its projections in the
+        # order it calls them); the last one's is the next layer's first, which this call does not run
+        assert first[:2] == [groups[mlp.up_proj][1], groups[mlp.down_proj][1]]
+        # later calls, the module that followed last time (the last one's successor is the first: the
+        # call repeats)
         assert asked == [groups[m][1] for m in (mlp.up_proj, mlp.down_proj, mlp.gate_proj)]
 
 

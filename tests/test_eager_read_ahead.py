@@ -112,3 +112,33 @@ def test_eager_decode_under_a_memory_limit_reads_the_next_module_ahead_exactly(
         assert store.files._held == kept and not hooks.ahead.wanted()
     finally:
         fxoffload_hf.restore(model)
+
+
+def test_a_first_eager_call_reads_ahead_in_the_model_order_exactly(
+    tmp_path, save_checkpoint, default_capture, monkeypatch
+):
+    # no call has shown the order modules run in yet: the module declared next is read ahead (layers
+    # run in their declared order), so a first call does not wait for each module's pages in turn
+    monkeypatch.setattr(fxoffload_hf.api, "memory_limit", lambda: 1 << 40)
+    eager = save_checkpoint("llama-vocab-heavy", tmp_path)
+    ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = eager(ids).logits
+    # an eighth of the weights: the layers' weights are not kept for eager calls (a half keeps them)
+    budget = sum(p.numel() * p.element_size() for p in eager.parameters()) // 8
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=budget, device="cpu")
+    engine = fxoffload_hf.engine_of(model)
+    hooks = next(h for h in engine.memory_holders if isinstance(h, EagerWeights))
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, expected)
+        assert engine.stats.eager_calls == 1
+        assert hooks.ahead.served > 0
+        assert not hooks.ahead.wanted() and engine.store.files._held == Counter(
+            unit
+            for r in engine.store.records.values()
+            if r.mapped
+            for unit in engine.store.files.units(r.disk)
+        )
+    finally:
+        fxoffload_hf.restore(model)
