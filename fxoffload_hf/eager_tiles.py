@@ -42,8 +42,10 @@ _TILE_SHARE = 4
 # the whole projection too, to learn whether the tile alone rounds as it (``tile_products``); later calls
 # compute alone. A call that needs smaller tiles is captured instead. (8 until tiles computed alone: a
 # tied 32,000 x 256 table then needed 7.8 MiB lent, and such models were refused at a quarter of their
-# weights, where capture's graphs' state does not fit either.)
-MOST_TILES = 32
+# weights, where capture's graphs' state does not fit either; 32 until 2026-12-07: a tied GPT-2 of that
+# table needed 4.57 MiB lent at 10% of its weights, 4.13 MiB.) At most that many whole projections at a
+# call of a new shape, where the cap binds: at budgets that tight, a call reads far more than it computes.
+MOST_TILES = 64
 
 
 def projects_by_rows(module: nn.Module) -> bool:
