@@ -385,3 +385,61 @@ def test_weights_held_only_in_ram_make_room_for_an_eager_call(tmp_path):
     assert engine.runners == [] and engine.stats.eager_calls == 1
     assert all(engine.store.records[name].host is None for name in only_in_ram)  # on disk now
     fxoffload_hf.restore(model)
+
+
+class _TwoGraphs(torch.nn.Module):
+    """Two projections with a graph break between them; the call notes each time its first part runs (as
+    a KV cache is extended)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(256, 256)
+        self.second = torch.nn.Linear(256, 256)
+        self.first_parts_run: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.first(x).relu()
+        self.first_parts_run.append(1)
+        torch._dynamo.graph_break()
+        return self.second(y)
+
+
+def test_a_capture_for_speed_refused_midway_does_not_run_the_call_again(monkeypatch):
+    """Where a call captured for speed has run its first graph when its second is refused, what the first
+    did cannot be undone: the call is not run again as eager code (a generate's cache would be extended
+    twice) but refused, saying so; calls run eagerly from then on, exactly."""
+    import fxoffload_hf.entries
+    from fxoffload_hf import BudgetTooSmallError
+    from fxoffload_hf.engine import Engine
+
+    monkeypatch.setattr(fxoffload_hf.entries, "eager_call_bytes", lambda *args, **kwargs: 0)  # bounded
+    torch.manual_seed(0)
+    model = _TwoGraphs()
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        want = model(x)
+    graphs: list[int] = []
+    backend = Engine.__call__
+
+    def second_refused(self, gm, example_inputs):
+        graphs.append(len(gm.graph.nodes))
+        if len(graphs) == 2:
+            raise BudgetTooSmallError("the second graph does not fit (a test's refusal)", smallest_budget=1)
+        return backend(self, gm, example_inputs)
+
+    monkeypatch.setattr(Engine, "__call__", second_refused)
+    fxoffload_hf.offload(model, cpu_memory="8MiB", device="cpu", capture="deferred")
+    engine = fxoffload_hf.engine_of(model)
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(x), want) and engine.stats.eager_calls == 1
+            monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
+            assert torch.equal(model(x), want)  # decides to capture from the next call, for speed
+            model.first_parts_run.clear()
+            with pytest.raises(BudgetTooSmallError, match="part of it had run when a later graph"):
+                model(x)
+            assert len(graphs) == 2 and model.first_parts_run == [1]  # the first part ran once
+            assert engine.deferral.refused and engine.deferring
+            assert torch.equal(model(x), want) and engine.stats.eager_calls == 3
+    finally:
+        fxoffload_hf.restore(model)
