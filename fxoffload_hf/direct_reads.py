@@ -10,6 +10,13 @@ resident (wide enough models). Two signs name those children:
   accelerate's offload hooks fire for those children around the parent's call;
 - the module's own code reading ``self.<child>.<parameter>`` in any method its class defines (a
   captured graph reads these too, where the engine feeds them; only eager calls need them lent).
+
+A child the module also calls is lent its weights by its own call; but a call may take a path that reads
+it instead (RecurrentGemma's recurrent block calls ``conv_1d`` on a prompt and reads its weight at each
+decode step). Such a child is lent to the module too where the parameters read are small
+(``SMALL_READ_BYTES``): what it costs the module's calls is small, where lending a whole embedding table or
+output projection read in a rarely taken path (Gemma 4's, xLSTM's, the Mamba mixers' training kernels)
+to every call would not be.
 """
 
 from __future__ import annotations
@@ -27,13 +34,16 @@ _ATTRIBUTE_LOADS = {"LOAD_ATTR", "LOAD_METHOD"}
 # what a ghost tells as it is (its values are never read for these)
 _METADATA = {"dtype", "device", "shape", "size", "ndim", "dim", "is_cuda", "requires_grad", "numel"}
 _NOT_STEPS = {"CACHE", "PRECALL", "EXTENDED_ARG"}  # bytecode between the loads of ``self.a.b`` (3.11)
+# a child the module also calls is lent with it where the parameters the module reads take at most this
+SMALL_READ_BYTES = 1 << 20
 
 
 def children_read_directly(module: nn.Module) -> list[nn.Module]:
     """The children of ``module`` whose parameters its own code reads without calling them (see the
     module docstring), in the order of ``named_children``: those Transformers names to
     ``force_accelerate_hooks``, and those the class's code reads as ``self.<child>.<parameter>`` and never
-    uses otherwise (a child it calls is lent its weights by its own call)."""
+    uses otherwise, or reads only small parameters of (a child it calls is lent its weights by its own
+    call, where the call takes that path)."""
     children = dict(module.named_children())
     if not children:
         return []
@@ -41,12 +51,15 @@ def children_read_directly(module: nn.Module) -> list[nn.Module]:
     if known is None:
         known = _CLASS_READS[type(module)] = _class_reads(type(module))
     forced, reads, uses = known
-    read: set[str] = set()
+    read: dict[str, int] = {}  # by child: the bytes of the parameters read
     used = set(uses)  # an attribute other than a parameter (a method, ``kernel_size``) counts as a use
     for child, attribute in reads:
-        parameters = getattr(children.get(child), "_parameters", {})
-        (read if attribute in parameters else used).add(child)
-    named = set(forced) | (read - used)
+        parameter = getattr(children.get(child), "_parameters", {}).get(attribute)
+        if parameter is None:
+            used.add(child)
+        else:
+            read[child] = read.get(child, 0) + parameter.numel() * parameter.element_size()
+    named = set(forced) | {c for c, size in read.items() if c not in used or size <= SMALL_READ_BYTES}
     return [child for name, child in children.items() if name in named]
 
 
