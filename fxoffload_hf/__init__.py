@@ -10,7 +10,9 @@ from typing import Any
 
 from fxoffload_hf.api import engine_of, is_offloaded, offload, restore, run_as_block
 from fxoffload_hf.config import OffloadConfig, parse_budget
+from fxoffload_hf.eager_fallback import EagerFallbackWarning
 from fxoffload_hf.memory_model import BudgetTooSmallError
+from fxoffload_hf.output_check import NaNOutputWarning
 from fxoffload_hf.safetensors_io import CheckpointError
 
 __version__ = "0.1.0"
@@ -42,6 +44,8 @@ __all__ = [
     "parse_budget",
     "BudgetTooSmallError",
     "CheckpointError",
+    "EagerFallbackWarning",
+    "NaNOutputWarning",
     "from_pretrained",
     "AutoModelForCausalLM",
     "AutoModelForSeq2SeqLM",

@@ -21,6 +21,7 @@ from fxoffload_hf.eager_ops import OpCounter
 from fxoffload_hf.engine import Engine
 from fxoffload_hf.generate_memory import counting_kv
 from fxoffload_hf.memory_model import BudgetTooSmallError
+from fxoffload_hf.output_check import warn_on_nan
 from fxoffload_hf.reserved_cache import reserve_default_cache
 from fxoffload_hf.undo import PatchedAttribute, Undo
 
@@ -173,7 +174,9 @@ def _run_eagerly(
     counter = OpCounter(active=engine.deferral.counts_this_call())
     try:
         with counter, eager.lending_to(target):
-            return original(*args, **kwargs)
+            output = original(*args, **kwargs)
+        warn_on_nan(output, engine.stats.eager_calls, type(target).__name__)
+        return output
     finally:
         engine.eager_depth -= 1
         eager.ahead.stop()
