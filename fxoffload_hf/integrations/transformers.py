@@ -26,8 +26,9 @@ from tqdm.auto import tqdm
 
 from fxoffload_hf.api import offload as offload_model
 from fxoffload_hf.api import remove_on_restore
+from fxoffload_hf.folios import drop_small_folios
 from fxoffload_hf.integrations.hf_kwargs import read_hf_placement
-from fxoffload_hf.safetensors_io import CheckpointError, TensorSlice, drop_cached_pages, read_header
+from fxoffload_hf.safetensors_io import CheckpointError, TensorSlice, read_header
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
@@ -138,8 +139,9 @@ def from_pretrained(
         raise
     # Transformers read every tensor once to index it. Its pages sit in the page cache as small folios
     # (charged to us under a memory limit); read afresh by the engine they come in 2 MiB folios, which
-    # are about twenty times cheaper to map and unmap per piece.
-    drop_cached_pages(sorted({s.path for s in checkpoint.values()}))
+    # are about twenty times cheaper to map and unmap per piece. Files cached in 2 MiB folios already
+    # (an earlier process's engine read them) are kept.
+    drop_small_folios(sorted({s.path for s in checkpoint.values()}))
     remove_on_restore(model, work)
     return model
 
