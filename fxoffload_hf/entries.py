@@ -20,7 +20,7 @@ from fxoffload_hf.eager_memory import eager_call_bytes
 from fxoffload_hf.eager_ops import OpCounter
 from fxoffload_hf.engine import Engine
 from fxoffload_hf.generate_memory import counting_kv
-from fxoffload_hf.memory_model import BudgetTooSmallError
+from fxoffload_hf.memory_model import BudgetTooSmallError, CallStoppedMidway
 from fxoffload_hf.output_check import warn_on_nan
 from fxoffload_hf.reserved_cache import reserve_default_cache
 from fxoffload_hf.undo import PatchedAttribute, Undo
@@ -115,10 +115,10 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                         return _run_eagerly(engine, eager, target, original, args, kwargs)
                     # graphs of this call ran before a later one was refused (graph breaks): what they did
                     # (a KV cache extended) cannot be undone, so the call is not run again
-                    raise BudgetTooSmallError(
+                    raise CallStoppedMidway(
                         f"{refused}. This call was being captured for speed and part of it had run when a later "
                         "graph of it was refused; it cannot be run again from where it stopped. Calls run as eager "
-                        "code from now on: call it again (a generate from its start)",
+                        "code from now on: call it again (a generate that makes its own cache starts again by itself)",
                         smallest_budget=refused.smallest_budget,
                     ) from None
                 if capturing and isinstance(refused, BudgetTooSmallError):

@@ -27,8 +27,9 @@ from torch import nn
 from fxoffload_hf.engine import Engine
 from fxoffload_hf.kv_cache import cache_positions, latent_expansion_bytes, predicted_cache_bytes, text_config
 from fxoffload_hf.kv_disk import cache_folder
-from fxoffload_hf.memory_model import BudgetTooSmallError, format_bytes
+from fxoffload_hf.memory_model import BudgetTooSmallError, CallStoppedMidway, format_bytes
 from fxoffload_hf.micro_batches import split_generate
+from fxoffload_hf.progress import report
 from fxoffload_hf.reserved_cache import on_disk, reserves
 
 _CACHE_ARGUMENTS = {"cache", "past_key_values", "state"}  # Transformers 5.25's name, earlier ones', RWKV's
@@ -115,6 +116,10 @@ def _generation_settings(model: nn.Module, kwargs: dict[str, Any]) -> Any:
     return settings
 
 
+# a generate given its cache, or streaming its tokens as they come, repeats what it did if run again
+_NOT_REPEATABLE = ("past_key_values", "cache_params", "streamer")
+
+
 def counting_kv(model: nn.Module, generate: Callable[..., Any], engine: Engine) -> Callable[..., Any]:
     """``generate`` that first tells the engine the bytes its KV cache will reach (when predicted); a batch
     whose cache cannot fit whole runs in micro-batches where they fit (``micro_batches``), and one refused
@@ -124,6 +129,16 @@ def counting_kv(model: nn.Module, generate: Callable[..., Any], engine: Engine) 
     @functools.wraps(generate)
     def run(*args: Any, **kwargs: Any) -> Any:
         # a generate captures two graphs: the prefill's and, with the first longer input, the decode's
+        try:
+            with engine.expecting_graphs(2):
+                return counted(*args, **kwargs)
+        except CallStoppedMidway as stopped:
+            # its cache was extended by the graphs that ran: a generate that made its own cache starts
+            # again from its first token, now as eager calls; one given a cache or a streamer cannot
+            if any(kwargs.get(name) is not None for name in _NOT_REPEATABLE):
+                raise
+            report("generate starts again from its first token, as eager calls: %s", _without_frames(stopped))
+        gc.collect()
         with engine.expecting_graphs(2):
             return counted(*args, **kwargs)
 
@@ -142,6 +157,8 @@ def counting_kv(model: nn.Module, generate: Callable[..., Any], engine: Engine) 
         try:
             engine.expect_activations(cache + built + step, what)
             return generate(*args, **kwargs)
+        except CallStoppedMidway:
+            raise  # not for want of room: run again whole (``run``)
         except BudgetTooSmallError as exc:
             # refused before the first token, or (where the prediction was short of a capture's
             # measure) at a later step: the call is given up, and with it the frames of its steps (their

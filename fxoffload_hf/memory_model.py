@@ -112,6 +112,12 @@ class BudgetTooSmallError(ValueError):
         self.smallest_budget = smallest_budget
 
 
+class CallStoppedMidway(BudgetTooSmallError):
+    """A call captured for speed stopped where a later graph of it was refused, after earlier graphs of
+    it ran: it cannot go on from there, and calls run eagerly from now on. A ``generate`` that made its
+    own cache is run again from its start (``generate_memory``); any other call is the caller's to repeat."""
+
+
 def format_bytes(size: int | float | None) -> str:
     """Human-readable binary size, e.g. ``'1.50 GiB'``; ``None`` reads ``'unlimited'``."""
     if size is None:

@@ -267,3 +267,78 @@ def test_a_cache_that_cannot_fit_is_refused_before_any_weight_is_read(offloaded)
     call = (ids,), {"max_new_tokens": 6}
     # the default cache is written in place (``reserved_cache``): a decode step holds it once
     assert engine.expected_activations == final_kv_bytes(model, *call) + decode_step_bytes(model, *call)
+
+
+def test_a_generate_whose_capture_stopped_midway_starts_again_as_eager_calls(
+    tmp_path, save_checkpoint, default_capture, monkeypatch
+):
+    """A decode step captured for speed as two graphs (a graph break in its first layer) whose second is
+    refused after the first ran cannot go on: its cache was extended. The generate, which made its own
+    cache, starts again from its first token as eager calls: eager's tokens."""
+    import fxoffload_hf.deferral
+    from fxoffload_hf.engine import Engine
+
+    layer = tf.models.llama.modeling_llama.LlamaDecoderLayer
+    forward = layer.forward
+
+    def broken(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        torch._dynamo.graph_break()
+        return out
+
+    monkeypatch.setattr(layer, "forward", broken)
+    eager = save_checkpoint("llama", tmp_path)
+    ids = torch.randint(1, 1000, (1, 6), generator=torch.Generator().manual_seed(7))
+    greedy = dict(max_new_tokens=4, **GREEDY)
+    with torch.no_grad():
+        expected = eager.generate(ids, **greedy)
+    graphs: list[int] = []
+    backend = Engine.__call__
+
+    def second_refused(self, gm, example_inputs):
+        graphs.append(len(gm.graph.nodes))
+        if len(graphs) == 2:
+            raise BudgetTooSmallError("the second graph does not fit (a test's refusal)", smallest_budget=1)
+        return backend(self, gm, example_inputs)
+
+    monkeypatch.setattr(Engine, "__call__", second_refused)
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="2MiB", device="cpu")
+    engine = fxoffload_hf.engine_of(model)
+    try:
+        with torch.no_grad():
+            assert torch.equal(model.generate(ids, **greedy), expected) and engine.stats.eager_calls == 4
+            monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
+            # its prefill decides to capture; the first decode step stops midway; it starts again
+            assert torch.equal(model.generate(ids, **greedy), expected)
+            assert len(graphs) == 2 and engine.deferral.refused and engine.deferring
+            assert engine.stats.eager_calls == 4 + 1 + 4  # the prefill that decided, then all again
+    finally:
+        fxoffload_hf.restore(model)
+
+
+def test_a_generate_given_a_cache_or_a_streamer_is_not_run_again(tmp_path, save_checkpoint):
+    """Run again, a generate given its cache would extend it twice, and one given a streamer would stream
+    its first tokens twice: stopped midway, they are refused."""
+    from fxoffload_hf.generate_memory import counting_kv
+    from fxoffload_hf.memory_model import CallStoppedMidway
+
+    save_checkpoint("llama", tmp_path)
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="2MiB", device="cpu")
+    calls = []
+
+    def stops_once(*args, **kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:
+            raise CallStoppedMidway("stopped midway (a test's)", smallest_budget=1)
+        return "tokens"
+
+    try:
+        generate = counting_kv(model, stops_once, fxoffload_hf.engine_of(model))
+        assert generate(max_new_tokens=2) == "tokens" and len(calls) == 2  # run again
+        for given in ({"streamer": object()}, {"past_key_values": object()}):
+            calls.clear()
+            with pytest.raises(CallStoppedMidway):
+                generate(max_new_tokens=2, **given)
+            assert len(calls) == 1
+    finally:
+        fxoffload_hf.restore(model)
