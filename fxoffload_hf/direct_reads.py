@@ -13,7 +13,7 @@ resident (wide enough models). Two signs name those children:
 
 A child the module also calls is lent its weights by its own call; but a call may take a path that reads
 it instead (RecurrentGemma's recurrent block calls ``conv_1d`` on a prompt and reads its weight at each
-decode step). Such a child is lent to the module too where the parameters read are small
+decode step). Such a child is lent to the module too where its parameters are small
 (``SMALL_READ_BYTES``): what it costs the module's calls is small, where lending a whole embedding table or
 output projection read in a rarely taken path (Gemma 4's, xLSTM's, the Mamba mixers' training kernels)
 to every call would not be.
@@ -34,7 +34,7 @@ _ATTRIBUTE_LOADS = {"LOAD_ATTR", "LOAD_METHOD"}
 # what a ghost tells as it is (its values are never read for these)
 _METADATA = {"dtype", "device", "shape", "size", "ndim", "dim", "is_cuda", "requires_grad", "numel"}
 _NOT_STEPS = {"CACHE", "PRECALL", "EXTENDED_ARG"}  # bytecode between the loads of ``self.a.b`` (3.11)
-# a child the module also calls is lent with it where the parameters the module reads take at most this
+# a child the module also calls is lent with it where its own parameters take at most this
 SMALL_READ_BYTES = 1 << 20
 
 
@@ -51,16 +51,19 @@ def children_read_directly(module: nn.Module) -> list[nn.Module]:
     if known is None:
         known = _CLASS_READS[type(module)] = _class_reads(type(module))
     forced, reads, uses = known
-    read: dict[str, int] = {}  # by child: the bytes of the parameters read
+    read: set[str] = set()
     used = set(uses)  # an attribute other than a parameter (a method, ``kernel_size``) counts as a use
     for child, attribute in reads:
-        parameter = getattr(children.get(child), "_parameters", {}).get(attribute)
-        if parameter is None:
-            used.add(child)
-        else:
-            read[child] = read.get(child, 0) + parameter.numel() * parameter.element_size()
-    named = set(forced) | {c for c, size in read.items() if c not in used or size <= SMALL_READ_BYTES}
+        parameters = getattr(children.get(child), "_parameters", {})
+        (read if attribute in parameters else used).add(child)
+    # a child it also calls is lent whole, all its own parameters: where those are small
+    small = {c for c in read & used if _own_bytes(children[c]) <= SMALL_READ_BYTES}
+    named = set(forced) | (read - used) | small
     return [child for name, child in children.items() if name in named]
+
+
+def _own_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module._parameters.values() if p is not None)
 
 
 _Reads = tuple[tuple[str, ...], frozenset[tuple[str, str]], frozenset[str]]

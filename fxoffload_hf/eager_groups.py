@@ -29,7 +29,11 @@ class ModuleGroups:
         self._without: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
     def of(self, module: nn.Module, sources: tuple[TensorSlice, ...]) -> MappedGroup:
-        """The group of ``sources``, ``module``'s weights lent in place now: the one kept if it maps them."""
+        """The group of ``sources``, ``module``'s weights lent in place now: the one kept if it maps them.
+
+        Raises:
+            CheckpointError: a file of ``sources`` is missing or changed (``MappedFiles.group``).
+        """
         cached = self._groups.get(module)
         if cached is not None and cached[0] == sources and self.files.is_current(cached[1]):
             return cached[1]

@@ -5,8 +5,9 @@ steps, batches). Where pages are dropped after each use (under a memory limit) t
 does not serve (``WeightStore.read_ahead``): each module's pages would be read only when its call begins,
 the disk and the compute by turns. Where the budget leaves room for the next module's pages beside those of
 the module lent now (``Deferral.in_flight_room``), the module that followed last time (on a first call,
-the one declared next: ``CallOrder``) has its pages faulted in and held (as a piece in flight is) on a reader thread while the current one computes; its call
-then finds them in. A prediction that misses, and the one pending when the entry call ends, is let go.
+the one declared next: ``CallOrder``) has its pages faulted in and held (as a piece in flight is) on a
+reader thread while the current one computes; its call then finds them in. A prediction that misses, and
+the one pending when the entry call ends, is let go.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class CallOrder:
         if previous is not None and previous is not module:
             self._next[previous] = module
         self._previous = weakref.ref(module)
-        return self._next.get(module) or self._declared_next.get(module)
+        learnt = self._next.get(module)
+        return learnt if learnt is not None else self._declared_next.get(module)
 
 
 class ReadAhead:

@@ -116,9 +116,10 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                     # graphs of this call ran before a later one was refused (graph breaks): what they did
                     # (a KV cache extended) cannot be undone, so the call is not run again
                     raise CallStoppedMidway(
-                        f"{refused}. This call was being captured for speed and part of it had run when a later "
-                        "graph of it was refused; it cannot be run again from where it stopped. Calls run as eager "
-                        "code from now on: call it again (a generate that makes its own cache starts again by itself)",
+                        f"{refused}. This call was being captured for speed and part of it had run when a "
+                        "later graph of it was refused; it cannot be run again from where it stopped. Calls "
+                        "run as eager code from now on: call it again (a generate that makes its own cache "
+                        "starts again by itself)",
                         smallest_budget=refused.smallest_budget,
                     ) from None
                 if capturing and isinstance(refused, BudgetTooSmallError):

@@ -11,9 +11,9 @@ first ``generate`` read the whole checkpoint from disk again (0.4 s more on that
 A file counts as in 2 MiB folios where most of a few of its 2 MiB units spread over it, of those
 resident, map as 2 MiB pages when populated in a private mapping asking for huge pages (the kernel's
 ``FilePmdMapped`` grows by their size; an embedding table's rows read by lookups stay in small folios
-whoever reads them, so not all need to). Anything else (too few units resident, a kernel without the
-count, a mapping not 2 MiB aligned) counts as small folios: the file is dropped, as it always was before
-this check.
+whoever reads them, so not all need to). Anything else (too few units resident, a file whose residency
+the kernel does not tell this process, a kernel without the count, a mapping not 2 MiB aligned) counts as
+small folios: the file is dropped, as it always was before this check.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from fxoffload_hf.mapped_io import _MADV_HUGEPAGE, _MADV_POPULATE_READ, _MADV_RANDOM, UNIT_BYTES, _madvise
+from fxoffload_hf.mapped_io import UNIT_BYTES, ask_for_2mib_folios, populate
 from fxoffload_hf.safetensors_io import drop_cached_pages
 
 _SAMPLES = 8  # 2 MiB units looked at per file, evenly spread (its first, which holds the header, not)
@@ -52,8 +52,11 @@ def in_large_folios(path: Path) -> bool:
     except OSError:
         return False
     try:
-        if os.fstat(fd).st_size < (_SAMPLES + 1) * UNIT_BYTES:
+        stat = os.fstat(fd)
+        if stat.st_size < (_SAMPLES + 1) * UNIT_BYTES:
             return False  # a small file: read again at little cost
+        if not _residency_told(path, stat):
+            return False
         region = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except (OSError, ValueError):
         os.close(fd)
@@ -69,7 +72,7 @@ def _units_map_whole(region: mmap.mmap) -> bool:
     view = torch.frombuffer(region, dtype=torch.uint8)
     try:
         base, size = view.data_ptr(), view.numel()
-        if base % UNIT_BYTES or _madvise(base, size, _MADV_HUGEPAGE) or _madvise(base, size, _MADV_RANDOM):
+        if base % UNIT_BYTES or not ask_for_2mib_folios(base, size):
             return False
         whole_units = size // UNIT_BYTES
         picked = {1 + i * (whole_units - 1) // _SAMPLES for i in range(_SAMPLES)}
@@ -79,12 +82,18 @@ def _units_map_whole(region: mmap.mmap) -> bool:
         if len(resident) < _SAMPLES // 2:
             return False
         before = _file_pmd_mapped()
-        if before is None or any(_madvise(unit, UNIT_BYTES, _MADV_POPULATE_READ) for unit in resident):
+        if before is None or not all(populate(unit, UNIT_BYTES) for unit in resident):
             return False
         after = _file_pmd_mapped()
         return after is not None and after - before >= _LARGE_SHARE * len(resident) * UNIT_BYTES
     finally:
         del view
+
+
+def _residency_told(path: Path, stat: os.stat_result) -> bool:
+    """Whether ``mincore`` tells this process which pages of ``path`` are cached: since Linux 5.2 only to
+    its owner, a writer or a privileged process; to others it says every page is."""
+    return os.geteuid() in (0, stat.st_uid) or os.access(path, os.W_OK)
 
 
 def _resident(address: int) -> bool:

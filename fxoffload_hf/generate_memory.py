@@ -116,10 +116,6 @@ def _generation_settings(model: nn.Module, kwargs: dict[str, Any]) -> Any:
     return settings
 
 
-# a generate given its cache, or streaming its tokens as they come, repeats what it did if run again
-_NOT_REPEATABLE = ("past_key_values", "cache_params", "streamer")
-
-
 def counting_kv(model: nn.Module, generate: Callable[..., Any], engine: Engine) -> Callable[..., Any]:
     """``generate`` that first tells the engine the bytes its KV cache will reach (when predicted); a batch
     whose cache cannot fit whole runs in micro-batches where they fit (``micro_batches``), and one refused
@@ -135,7 +131,7 @@ def counting_kv(model: nn.Module, generate: Callable[..., Any], engine: Engine) 
         except CallStoppedMidway as stopped:
             # its cache was extended by the graphs that ran: a generate that made its own cache starts
             # again from its first token, now as eager calls; one given a cache or a streamer cannot
-            if any(kwargs.get(name) is not None for name in _NOT_REPEATABLE):
+            if not _repeatable(generate, args, kwargs):
                 raise
             report("generate starts again from its first token, as eager calls: %s", _without_frames(stopped))
         gc.collect()
@@ -178,6 +174,17 @@ def counting_kv(model: nn.Module, generate: Callable[..., Any], engine: Engine) 
         return _with_cache_on_disk(model, generate, engine, args, kwargs, cache, step)
 
     return run
+
+
+def _repeatable(generate: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a ``generate(*args, **kwargs)`` can be run again from its start: not one given a cache (run
+    again, it would extend it twice) or a streamer (its first tokens streamed twice), by name or place."""
+    try:
+        given = inspect.signature(generate).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return False
+    given = {**given, **given.get("kwargs", {})}  # generate's own ``**kwargs``, passed to the model
+    return all(given.get(name) is None for name in _CACHE_ARGUMENTS | {"cache_params", "streamer"})
 
 
 def _without_frames(error: BaseException) -> BaseException:

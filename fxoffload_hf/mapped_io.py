@@ -62,6 +62,25 @@ def can_map(source: TensorSlice, dtype: torch.dtype, *, compute: bool = True) ->
     return not compute or source.offset % _COMPUTE_ALIGN == 0
 
 
+def ask_for_2mib_folios(address: int, length: int) -> bool:
+    """Ask that the ``length`` bytes of a file mapped at ``address`` come in 2 MiB folios: read from disk
+    in large units, mapped and unmapped a page table at a time (about twenty times less work per piece
+    than 4 KiB pages); whether the kernel took the hint (it is ignored where unsupported)."""
+    if _madvise(address, length, _MADV_HUGEPAGE) != 0:
+        return False
+    # and a fault reads its 2 MiB folio, no more: without this it also reads the next 2 MiB, and a plain
+    # fault up to the device's read-ahead (8 MiB seen) around it, pages of other weights that nothing
+    # holds or drops (under a memory limit: charged, and read again when used)
+    _madvise(address, length, _MADV_RANDOM)
+    return True
+
+
+def populate(address: int, length: int) -> bool:
+    """Map the pages of ``length`` bytes at ``address`` in, reading them if need be (blocks); whether the
+    kernel could (Linux 5.14+)."""
+    return _madvise(address, length, _MADV_POPULATE_READ) == 0
+
+
 @dataclass
 class _Mapping:
     fd: int
@@ -157,13 +176,7 @@ class MappedFiles:
             raise
         # the tensor keeps the mapping alive for as long as any view of it exists
         view = torch.frombuffer(region, dtype=torch.uint8)
-        # ask for 2 MiB folios: read from disk in large units, mapped and unmapped a page table at a time
-        # (about twenty times less work per piece than 4 KiB pages); a hint, ignored where unsupported
-        if _madvise(view.data_ptr(), view.numel(), _MADV_HUGEPAGE) == 0:
-            # and a fault reads its 2 MiB folio, no more: without this it also reads the next 2 MiB, and
-            # a plain fault up to the device's read-ahead (8 MiB seen) around it, pages of other weights
-            # that nothing holds or drops (under a memory limit: charged, and read again when used)
-            _madvise(view.data_ptr(), view.numel(), _MADV_RANDOM)
+        ask_for_2mib_folios(view.data_ptr(), view.numel())
         return _Mapping(fd, view, inode)
 
     def group(self, sources: list[TensorSlice], fault_in: list[bool]) -> MappedGroup:

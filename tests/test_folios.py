@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fxoffload_hf import folios
-from fxoffload_hf.mapped_io import _MADV_HUGEPAGE, _MADV_POPULATE_READ, _MADV_RANDOM, UNIT_BYTES, _madvise
+from fxoffload_hf.mapped_io import UNIT_BYTES, ask_for_2mib_folios, populate
 from fxoffload_hf.safetensors_io import drop_cached_pages
 
 _SIZE = 24 * UNIT_BYTES
@@ -36,8 +36,7 @@ def _read_as_the_engine_reads(path: Path) -> int:
     view = torch.frombuffer(region, dtype=torch.uint8)
     base, size = view.data_ptr(), view.numel()
     before = folios._file_pmd_mapped() or 0
-    for advice in (_MADV_HUGEPAGE, _MADV_RANDOM, _MADV_POPULATE_READ):
-        assert _madvise(base, size, advice) == 0
+    assert ask_for_2mib_folios(base, size) and populate(base, size)
     mapped_whole = (folios._file_pmd_mapped() or 0) - before
     del view
     region.close()
@@ -66,3 +65,15 @@ def test_pages_read_in_2_mib_folios_are_kept(tmp_path):
         pytest.skip("this kernel or file system maps a file's pages in no 2 MiB folios")
     assert folios.in_large_folios(path)
     assert folios.drop_small_folios([path]) == []
+
+
+def test_a_file_whose_residency_the_kernel_does_not_tell_counts_as_small(tmp_path, monkeypatch):
+    """mincore says every page of a file is cached to a process that neither owns nor may write it (Linux
+    5.2+): such a file cannot be looked at, and is dropped as before."""
+    path = _written(tmp_path / "w.bin")
+    if _read_as_the_engine_reads(path) < _SIZE // 2:
+        pytest.skip("this kernel or file system maps a file's pages in no 2 MiB folios")
+    assert folios.in_large_folios(path)
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(path).st_uid + 1)  # not its owner, not root
+    monkeypatch.setattr(os, "access", lambda *args, **kwargs: False)  # nor a writer
+    assert not folios.in_large_folios(path)

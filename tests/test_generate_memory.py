@@ -4,6 +4,7 @@ planned for from the start when it can."""
 
 from __future__ import annotations
 
+import inspect
 import shutil
 
 import pytest
@@ -332,13 +333,20 @@ def test_a_generate_given_a_cache_or_a_streamer_is_not_run_again(tmp_path, save_
             raise CallStoppedMidway("stopped midway (a test's)", smallest_budget=1)
         return "tokens"
 
+    stops_once.__signature__ = inspect.signature(model.generate)  # type: ignore[attr-defined]
     try:
         generate = counting_kv(model, stops_once, fxoffload_hf.engine_of(model))
         assert generate(max_new_tokens=2) == "tokens" and len(calls) == 2  # run again
-        for given in ({"streamer": object()}, {"past_key_values": object()}):
+        for args, given in [
+            ((), {"streamer": object()}),
+            ((None,) * 7 + (object(),), {}),  # a streamer in its place (generate's eighth argument)
+            ((), {"cache": object()}),  # Transformers 5.25's name for a cache passed in
+            ((), {"past_key_values": object()}),
+            ((), {"state": object()}),  # RWKV's
+        ]:
             calls.clear()
             with pytest.raises(CallStoppedMidway):
-                generate(max_new_tokens=2, **given)
+                generate(*args, max_new_tokens=2, **given)
             assert len(calls) == 1
     finally:
         fxoffload_hf.restore(model)
