@@ -396,6 +396,35 @@ def deferred_refusal():
 
 
 @pytest.fixture
+def eager_calls_bounded(monkeypatch) -> None:
+    """Deferred capture runs a toy model's calls eagerly: their bound is taken as nothing beside their
+    weights (a model without a Transformers config has none, and would be captured)."""
+    import fxoffload_hf.entries
+
+    monkeypatch.setattr(fxoffload_hf.entries, "eager_call_bytes", lambda *args, **kwargs: 0)
+
+
+@pytest.fixture
+def second_graph_refused(monkeypatch) -> list[int]:
+    """From now on an engine refuses the second graph dynamo hands it, as a budget would (a
+    ``BudgetTooSmallError``); the graphs handed, by their node counts."""
+    from fxoffload_hf.engine import Engine
+    from fxoffload_hf.memory_model import BudgetTooSmallError
+
+    graphs: list[int] = []
+    backend = Engine.__call__
+
+    def refusing(self, gm, example_inputs):
+        graphs.append(len(gm.graph.nodes))
+        if len(graphs) == 2:
+            raise BudgetTooSmallError("the second graph does not fit (a test's refusal)", smallest_budget=1)
+        return backend(self, gm, example_inputs)
+
+    monkeypatch.setattr(Engine, "__call__", refusing)
+    return graphs
+
+
+@pytest.fixture
 def backend_calls(monkeypatch) -> list[int]:
     """The graphs dynamo hands an engine from now on, by their node counts: a spy on ``Engine.__call__``."""
     from fxoffload_hf.engine import Engine

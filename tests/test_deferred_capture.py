@@ -404,30 +404,20 @@ class _TwoGraphs(torch.nn.Module):
         return self.second(y)
 
 
-def test_a_capture_for_speed_refused_midway_does_not_run_the_call_again(monkeypatch):
+def test_a_capture_for_speed_refused_midway_does_not_run_the_call_again(
+    monkeypatch, eager_calls_bounded, second_graph_refused
+):
     """Where a call captured for speed has run its first graph when its second is refused, what the first
     did cannot be undone: the call is not run again as eager code (a generate's cache would be extended
     twice) but refused, saying so; calls run eagerly from then on, exactly."""
-    import fxoffload_hf.entries
     from fxoffload_hf import BudgetTooSmallError
-    from fxoffload_hf.engine import Engine
 
-    monkeypatch.setattr(fxoffload_hf.entries, "eager_call_bytes", lambda *args, **kwargs: 0)  # bounded
     torch.manual_seed(0)
     model = _TwoGraphs()
     x = torch.randn(2, 256)
     with torch.no_grad():
         want = model(x)
-    graphs: list[int] = []
-    backend = Engine.__call__
-
-    def second_refused(self, gm, example_inputs):
-        graphs.append(len(gm.graph.nodes))
-        if len(graphs) == 2:
-            raise BudgetTooSmallError("the second graph does not fit (a test's refusal)", smallest_budget=1)
-        return backend(self, gm, example_inputs)
-
-    monkeypatch.setattr(Engine, "__call__", second_refused)
+    graphs = second_graph_refused
     fxoffload_hf.offload(model, cpu_memory="8MiB", device="cpu", capture="deferred")
     engine = fxoffload_hf.engine_of(model)
     try:

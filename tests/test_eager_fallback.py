@@ -472,12 +472,9 @@ def test_an_entry_points_own_weights_are_not_lent_around_its_captured_call(budge
         fxoffload_hf.restore(model)
 
 
-def test_an_entry_point_run_eagerly_lends_its_own_weights(monkeypatch):
+def test_an_entry_point_run_eagerly_lends_its_own_weights(eager_calls_bounded):
     """Deferred, the entry point runs its own module as eager code and lends it its weights for the call
     (its hooks do not: ``lending_to``)."""
-    import fxoffload_hf.entries
-
-    monkeypatch.setattr(fxoffload_hf.entries, "eager_call_bytes", lambda *args, **kwargs: 0)  # bounded
     torch.manual_seed(0)
     model = _RootWithWeight()
     x = torch.randn(2, 256)

@@ -271,13 +271,12 @@ def test_a_cache_that_cannot_fit_is_refused_before_any_weight_is_read(offloaded)
 
 
 def test_a_generate_whose_capture_stopped_midway_starts_again_as_eager_calls(
-    tmp_path, save_checkpoint, default_capture, monkeypatch
+    tmp_path, save_checkpoint, default_capture, monkeypatch, second_graph_refused
 ):
     """A decode step captured for speed as two graphs (a graph break in its first layer) whose second is
     refused after the first ran cannot go on: its cache was extended. The generate, which made its own
     cache, starts again from its first token as eager calls: eager's tokens."""
     import fxoffload_hf.deferral
-    from fxoffload_hf.engine import Engine
 
     layer = tf.models.llama.modeling_llama.LlamaDecoderLayer
     forward = layer.forward
@@ -293,16 +292,7 @@ def test_a_generate_whose_capture_stopped_midway_starts_again_as_eager_calls(
     greedy = dict(max_new_tokens=4, **GREEDY)
     with torch.no_grad():
         expected = eager.generate(ids, **greedy)
-    graphs: list[int] = []
-    backend = Engine.__call__
-
-    def second_refused(self, gm, example_inputs):
-        graphs.append(len(gm.graph.nodes))
-        if len(graphs) == 2:
-            raise BudgetTooSmallError("the second graph does not fit (a test's refusal)", smallest_budget=1)
-        return backend(self, gm, example_inputs)
-
-    monkeypatch.setattr(Engine, "__call__", second_refused)
+    graphs = second_graph_refused
     model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="2MiB", device="cpu")
     engine = fxoffload_hf.engine_of(model)
     try:

@@ -10,7 +10,6 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutput
 
 import fxoffload_hf
-import fxoffload_hf.entries
 from fxoffload_hf.output_check import CHECKED_CALLS, NaNOutputWarning, main_output
 
 
@@ -40,8 +39,7 @@ class _ReadsAGrandchild(nn.Module):
         return self.projection(x) + x @ self.holder.table.weight
 
 
-def test_a_weight_read_unlent_in_an_eager_call_warns_and_capture_serves_it(monkeypatch):
-    monkeypatch.setattr(fxoffload_hf.entries, "eager_call_bytes", lambda *args, **kwargs: 0)  # bounded
+def test_a_weight_read_unlent_in_an_eager_call_warns_and_capture_serves_it(eager_calls_bounded):
     torch.manual_seed(0)
     model = _ReadsAGrandchild().eval()
     x = torch.randn(2, 256)
