@@ -44,7 +44,6 @@ from fxoffload_hf.loaders import Way, way_of
 from fxoffload_hf.mapped_io import MappedGroup
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
 from fxoffload_hf.progress import report
-from fxoffload_hf.safetensors_io import CheckpointError
 from fxoffload_hf.weight_rescaling import weight_write_error
 from fxoffload_hf.weights import WeightStore
 
@@ -245,7 +244,7 @@ class EagerWeights:
             else:
                 values[i] = self.store.read(record).to(ghost.device, ghost.dtype)
         if in_place:
-            group = self._group_of(module, [ghosts[i] for i in in_place])
+            group = self.groups.of(module, [ghosts[i] for i in in_place])
             lent.mapped = group  # before acquire: a failed page read still gives its hold back
             if not self.ahead.take(module, group):
                 self.store.files.acquire(group)
@@ -259,10 +258,6 @@ class EagerWeights:
             for i, (ghost, way) in enumerate(zip(ghosts, ways, strict=True))
             if way is Way.MAPPED and ghost.dtype == record_of(ghost).dtype and not self._tiled(module, ghost)
         ]
-
-    def _group_of(self, module: nn.Module, in_place: list[nn.Parameter]) -> MappedGroup:
-        """The mapped group of ``in_place``, ``module``'s ghosts lent as views of their files' pages."""
-        return self.groups.of(module, tuple(record_of(g).disk for g in in_place))  # type: ignore[misc]
 
     def _ways(self, module: nn.Module, ghosts: list[nn.Parameter]) -> list[Way]:
         """How each ghost's weight comes in for an eager call, as the runner's loads bring it in (a plain
@@ -353,21 +348,11 @@ class EagerWeights:
             self.store.read_ahead(group)
 
     def _group_ahead(self, module: nn.Module) -> MappedGroup | None:
-        """The mapped group ``module``'s next call will be lent, if any: the one its last call had, or,
-        before its first, the one it will have."""
-        version = self.store.version
-        group = self.groups.last(module)
-        if group is not None or self.groups.none_at(module, version):
-            return group
-        ghosts = self._ghosts(module)
-        in_place = self._in_place(module, ghosts, self._ways(module, ghosts))
-        if not in_place:
-            self.groups.note_none(module, version)
-            return None
-        try:
-            return self._group_of(module, [ghosts[i] for i in in_place])
-        except (CheckpointError, OSError):
-            return None  # a guess fails no call: the module's own call names its file's fault, if it runs
+        def in_place() -> list[nn.Parameter]:
+            ghosts = self._ghosts(module)
+            return [ghosts[i] for i in self._in_place(module, ghosts, self._ways(module, ghosts))]
+
+        return self.groups.ahead(module, self.store.version, in_place)
 
     def _span_now(self, module: nn.Module) -> int:
         """``lent_span`` of ``module``, kept while the weights' tiers and the tiles stay as they are."""

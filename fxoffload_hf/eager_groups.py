@@ -10,11 +10,13 @@ tiers) or its files were replaced.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 from torch import nn
 
+from fxoffload_hf.eager_sizes import record_of
 from fxoffload_hf.mapped_io import MappedFiles, MappedGroup
-from fxoffload_hf.safetensors_io import TensorSlice
+from fxoffload_hf.safetensors_io import CheckpointError, TensorSlice
 
 
 class ModuleGroups:
@@ -25,33 +27,42 @@ class ModuleGroups:
         self._groups: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[TensorSlice, ...], MappedGroup]] = (
             weakref.WeakKeyDictionary()
         )
-        # modules none of whose weights were lent in place, by the store's version they were seen at
+        # modules none of whose weights are lent in place, by the store's version they were seen at
         self._without: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
-    def of(self, module: nn.Module, sources: tuple[TensorSlice, ...]) -> MappedGroup:
-        """The group of ``sources``, ``module``'s weights lent in place now: the one kept if it maps them.
+    def of(self, module: nn.Module, ghosts: list[nn.Parameter]) -> MappedGroup:
+        """The group of ``ghosts``, ``module``'s weights lent in place now: the one kept if it maps them.
 
         Raises:
-            CheckpointError: a file of ``sources`` is missing or changed (``MappedFiles.group``).
+            CheckpointError: a file of theirs is missing or changed (``MappedFiles.group``).
         """
+        sources = tuple(record_of(ghost).disk for ghost in ghosts)
         cached = self._groups.get(module)
         if cached is not None and cached[0] == sources and self.files.is_current(cached[1]):
             return cached[1]
         # a table read by lookups is not faulted in whole: its rows fault in as they are read
         fault_in = [not isinstance(module, nn.Embedding)] * len(sources)
-        group = self.files.group(list(sources), fault_in)
-        self._groups[module] = (sources, group)
+        group = self.files.group(list(sources), fault_in)  # type: ignore[arg-type]
+        self._groups[module] = (sources, group)  # type: ignore[assignment]
         return group
 
-    def last(self, module: nn.Module) -> MappedGroup | None:
-        """The group ``module``'s last call was lent, if any."""
+    def ahead(
+        self, module: nn.Module, version: int, in_place: Callable[[], list[nn.Parameter]]
+    ) -> MappedGroup | None:
+        """The group ``module``'s next call will be lent, to read ahead: its last call's, or, before its
+        first, the one of ``in_place()`` (its ghosts it will be lent in place); None where it lends none
+        in place (at the store's ``version``: until weights move) or where the group cannot be made (a
+        guess fails no call: the module's own call names its file's fault, if it runs)."""
         cached = self._groups.get(module)
-        return None if cached is None else cached[1]
-
-    def none_at(self, module: nn.Module, version: int) -> bool:
-        """Whether ``module`` was seen to lend nothing in place at the store's ``version``."""
-        return self._without.get(module) == version
-
-    def note_none(self, module: nn.Module, version: int) -> None:
-        """Note that ``module`` lends nothing in place at the store's ``version`` (until weights move)."""
-        self._without[module] = version
+        if cached is not None:
+            return cached[1]
+        if self._without.get(module) == version:
+            return None
+        ghosts = in_place()
+        if not ghosts:
+            self._without[module] = version
+            return None
+        try:
+            return self.of(module, ghosts)
+        except (CheckpointError, OSError):
+            return None
