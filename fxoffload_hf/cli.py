@@ -206,8 +206,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with torch.no_grad(), record_timeline(model) as events:
         if len(prompts) == 1:
-            streamer = transformers.TextStreamer(tokenizer, skip_prompt=False)
-            outputs = [model.generate(**prompts[0], **greedy, streamer=streamer)]
+            outputs = [_streamed(model, tokenizer, prompts[0], greedy)]
         else:  # one block: each weight streamed once per step for all prompts, each prompt as if alone
             calls = [functools.partial(model.generate, **inputs, **greedy) for inputs in prompts]
             outputs = fxoffload_hf.run_as_block(model, calls)
@@ -227,6 +226,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"\n[{new} tokens in {seconds:.2f} s, {new / seconds:.2f} tokens/s]", file=sys.stderr)
     return EXIT_OK
+
+
+def _streamed(model: Any, tokenizer: Any, inputs: Any, greedy: dict[str, Any]) -> Any:
+    """``model.generate`` of ``inputs``, its tokens printed as they come. A capture that stopped midway
+    (``CallStoppedMidway``: a generate given a streamer is not run again by itself) starts the answer
+    again, as eager calls, after saying so."""
+    import transformers
+
+    from fxoffload_hf.memory_model import CallStoppedMidway
+
+    try:
+        return model.generate(**inputs, **greedy, streamer=transformers.TextStreamer(tokenizer))
+    except CallStoppedMidway:
+        print("\n[capture stopped midway; the answer starts again, as eager calls]", file=sys.stderr)
+    return model.generate(**inputs, **greedy, streamer=transformers.TextStreamer(tokenizer))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -137,6 +137,39 @@ def test_generate_runs_several_prompts_as_one_block_each_as_if_alone(checkpoint,
     assert together.stdout.split("\n\n")[:2] == alone
 
 
+def test_generate_whose_capture_stops_midway_starts_the_answer_again(
+    checkpoint, llama_master, command, default_capture, second_graph_refused, monkeypatch
+):
+    """A streamed generate is not run again by itself where a capture stopped midway (its first tokens
+    are printed already): the command says so and starts the answer again, as eager calls."""
+    import transformers as tf
+
+    import fxoffload_hf.deferral
+
+    layer = tf.models.llama.modeling_llama.LlamaDecoderLayer
+    forward = layer.forward
+
+    def broken(self, *args, **kwargs):  # a decode step captured in two graphs, the second refused
+        out = forward(self, *args, **kwargs)
+        torch._dynamo.graph_break()
+        return out
+
+    monkeypatch.setattr(layer, "forward", broken)
+    monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)  # capture at once
+    save_tokenizer(checkpoint)
+    tokenizer = tf.AutoTokenizer.from_pretrained(checkpoint)
+    with torch.no_grad():
+        out = llama_master[1].generate(**tokenizer("w5 w9 w77", return_tensors="pt"), max_new_tokens=5)
+    answer = tokenizer.decode(out[0], skip_special_tokens=True)
+    done = command(
+        "generate", str(checkpoint), "--prompt", "w5 w9 w77", "--max-new-tokens", "5", "--cpu-memory", "1500000",
+        "--device", "cpu",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert len(second_graph_refused) == 2 and "starts again, as eager calls" in done.stderr
+    assert done.stdout.rstrip("\n").endswith(answer)
+
+
 def test_generate_without_tokenizer_says_so(llama_ckpt, command):
     folder, _eager = llama_ckpt
     done = command("generate", str(folder), "--prompt", "hi", "--device", "cpu")
