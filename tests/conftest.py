@@ -405,6 +405,22 @@ def eager_calls_bounded(monkeypatch) -> None:
 
 
 @pytest.fixture
+def llama_layers_break_graphs(monkeypatch) -> None:
+    """A graph break after each Llama decoder layer: a call is captured as several graphs (a no-op in
+    eager code, so an eager model gives the same output)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer as layer
+
+    forward = layer.forward
+
+    def broken(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        torch._dynamo.graph_break()
+        return out
+
+    monkeypatch.setattr(layer, "forward", broken)
+
+
+@pytest.fixture
 def second_graph_refused(monkeypatch) -> list[int]:
     """From now on an engine refuses the second graph dynamo hands it, as a budget would (a
     ``BudgetTooSmallError``); the graphs handed, by their node counts."""

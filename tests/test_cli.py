@@ -137,6 +137,7 @@ def test_generate_runs_several_prompts_as_one_block_each_as_if_alone(checkpoint,
     assert together.stdout.split("\n\n")[:2] == alone
 
 
+@pytest.mark.usefixtures("llama_layers_break_graphs")  # a decode step in graphs, the second refused
 def test_generate_whose_capture_stops_midway_starts_the_answer_again(
     checkpoint, llama_master, command, default_capture, second_graph_refused, monkeypatch
 ):
@@ -146,15 +147,6 @@ def test_generate_whose_capture_stops_midway_starts_the_answer_again(
 
     import fxoffload_hf.deferral
 
-    layer = tf.models.llama.modeling_llama.LlamaDecoderLayer
-    forward = layer.forward
-
-    def broken(self, *args, **kwargs):  # a decode step captured in two graphs, the second refused
-        out = forward(self, *args, **kwargs)
-        torch._dynamo.graph_break()
-        return out
-
-    monkeypatch.setattr(layer, "forward", broken)
     monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)  # capture at once
     save_tokenizer(checkpoint)
     tokenizer = tf.AutoTokenizer.from_pretrained(checkpoint)

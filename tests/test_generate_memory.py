@@ -270,6 +270,7 @@ def test_a_cache_that_cannot_fit_is_refused_before_any_weight_is_read(offloaded)
     assert engine.expected_activations == final_kv_bytes(model, *call) + decode_step_bytes(model, *call)
 
 
+@pytest.mark.usefixtures("llama_layers_break_graphs")
 def test_a_generate_whose_capture_stopped_midway_starts_again_as_eager_calls(
     tmp_path, save_checkpoint, default_capture, monkeypatch, second_graph_refused
 ):
@@ -278,15 +279,6 @@ def test_a_generate_whose_capture_stopped_midway_starts_again_as_eager_calls(
     cache, starts again from its first token as eager calls: eager's tokens."""
     import fxoffload_hf.deferral
 
-    layer = tf.models.llama.modeling_llama.LlamaDecoderLayer
-    forward = layer.forward
-
-    def broken(self, *args, **kwargs):
-        out = forward(self, *args, **kwargs)
-        torch._dynamo.graph_break()
-        return out
-
-    monkeypatch.setattr(layer, "forward", broken)
     eager = save_checkpoint("llama", tmp_path)
     ids = torch.randint(1, 1000, (1, 6), generator=torch.Generator().manual_seed(7))
     greedy = dict(max_new_tokens=4, **GREEDY)
