@@ -29,6 +29,7 @@ from fxoffload_hf.graphs import call_inputs, capture_device, graph_facts, retarg
 from fxoffload_hf.loaders import DeviceOps, InlineReader, ThreadedReader, make_loader
 from fxoffload_hf.memory import return_large_frees_to_the_os
 from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, format_bytes
+from fxoffload_hf.noop_conversions import drop_noop_conversions, has_noop_conversions
 from fxoffload_hf.partition import Partition
 from fxoffload_hf.planner import GraphInput, ModelPlan, partition_for_budget, plan_model, sizes_for_budget
 from fxoffload_hf.program import build_program
@@ -131,6 +132,11 @@ class Engine:
         weight_names = frozenset(facts.names[w] for w in facts.weight_bytes)
         self.captures.progress.captures(weight_names, state)
         device_type = self.loader.device_type
+        if has_noop_conversions(list(facts.weight_bytes)):
+            gm, copies = tiles.own_copy(gm)
+            drop_noop_conversions(gm.graph, [copies[w] for w in facts.weight_bytes])
+            gm.recompile()
+            facts = graph_facts(gm, example_inputs)
         if device_type == "cuda" and facts.lookups:
             gm, copies = tiles.own_copy(gm)
             tables = {copies[w] for w in facts.weight_bytes if facts.names[w] in facts.lookups}

@@ -29,6 +29,7 @@ from fxoffload_hf.memory_model import (
     piece_bytes,
     window_bytes,
 )
+from fxoffload_hf.noop_conversions import drop_noop_conversions
 from fxoffload_hf.plan_eager import eager_floor
 from fxoffload_hf.planner import partition_for_budget
 from fxoffload_hf.reserved_cache import full_attention_only
@@ -184,6 +185,7 @@ def plan_config(
         if isinstance(value, torch.nn.Parameter) and size >= RESIDENT_THRESHOLD:
             weights[node] = size
             labels[node] = names.get(id(value), node.name)
+    drop_noop_conversions(gm.graph, list(weights))  # as the engine does: they would block tiles
     small = _small_tensors(model)
     forward = activation_peak(gm.graph, set(weights))
     kv = kv_cache_bytes(config, batch, seq_len, _dtype_bytes(model))
