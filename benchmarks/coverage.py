@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.children import ChildRun, run_child
-from harness.shrink import SHAPE_VARIABLE, TINY
+from harness.shrink import DTYPE_VARIABLE, SHAPE_VARIABLE, TINY
 
 HERE = Path(__file__).resolve().parent
 CHILD = HERE / "coverage_child.py"
@@ -183,6 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         help="first-call (default): the streamed schedule from the first call; deferred: the library's "
         "default, eager calls within the budget until capture is worth it",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="dtype of every model, saved and loaded so (default float32; checkpoints people download are "
+        "mostly bfloat16)",
+    )
     parser.add_argument("--resume", action="store_true", help="skip pairs already in --out")
     parser.add_argument("--report-only", action="store_true", help="only write the summary of --out")
     parser.add_argument("--table", action="store_true", help="print the markdown summary")
@@ -190,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
     os.environ["FXOFFLOAD_HF_CAPTURE"] = args.capture  # the children's capture mode
+    os.environ[DTYPE_VARIABLE] = args.dtype
     shape = TINY.with_sizes(args.hidden, args.vocab)
     os.environ[SHAPE_VARIABLE] = json.dumps(dataclasses.asdict(shape))  # the children's widths
     from harness.coverage_report import markdown
@@ -211,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "share": args.share,
         "capture": args.capture,
         **({"shape": dataclasses.asdict(shape)} if shape != TINY else {}),
+        **({"dtype": args.dtype} if args.dtype != "float32" else {}),
     }
     text = markdown(latest(rows), header)
     table = args.out.with_suffix(".md")

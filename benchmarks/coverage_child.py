@@ -4,7 +4,8 @@ Run by ``benchmarks/coverage.py`` as ``coverage_child.py TYPE MAPPING FOLDER``; 
 records as it goes (a kill on timeout then says where it hung) and one ``result`` record at the end.
 Steps: a tiny config (``harness.shrink``), a seeded model from the auto class's ``from_config`` (its
 eager forward must run, else the type is skipped), ``save_pretrained`` into ``FOLDER``, the reference
-(Hugging Face's own ``from_pretrained`` of that folder, eager, fp32), then
+(Hugging Face's own ``from_pretrained`` of that folder, eager, in the sweep's dtype: fp32 unless
+``--dtype`` says), then
 ``fxoffload_hf.from_pretrained(FOLDER, offload="fx", cpu_memory=...)`` at a budget that splits the model
 and leaves weights on disk, two forwards and a greedy ``generate`` compared with the reference.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.protocol import emit, phase
+from harness.shrink import dtype_from_environment
 
 AUTO_CLASSES = {"causal": "AutoModelForCausalLM", "seq2seq": "AutoModelForSeq2SeqLM", "base": "AutoModel"}
 SEQ_LEN, DECODER_LEN, NEW_TOKENS, LOW_ID = 12, 5, 4, 3
@@ -87,7 +89,7 @@ def source_digest() -> str:
 
 
 def build(type_name: str, mapping: str, auto: Any, record: dict[str, Any]) -> tuple[Any, Any]:
-    """The tiny config and seeded random-init model of ``type_name`` (eval, fp32)."""
+    """The tiny config and seeded random-init model of ``type_name`` (eval, in the sweep's dtype)."""
     import torch
     from harness.shrink import shape_from_environment, shrink_config
     from transformers import CONFIG_MAPPING
@@ -104,7 +106,7 @@ def build(type_name: str, mapping: str, auto: Any, record: dict[str, Any]) -> tu
             config.decoder_start_token_id = config.pad_token_id or 0  # T5's own choice; generate needs one
         phase("build")
         torch.manual_seed(0)
-        model = auto.from_config(config, dtype=torch.float32).eval()
+        model = auto.from_config(config, dtype=dtype_from_environment()).eval()
     except Exception as exc:  # noqa: BLE001
         raise Skip(f"cannot build ({first_line(exc)}){default_broken(type_name, auto)}") from exc
     record["model_class"] = type(model).__name__
@@ -184,7 +186,7 @@ def eager_reference(
 
     phase("reference")
     try:
-        model = auto.from_pretrained(folder, dtype=torch.float32).eval()
+        model = auto.from_pretrained(folder, dtype=dtype_from_environment()).eval()
         with torch.no_grad():
             out = output_of(model(**inputs))
             record["roundtrip_exact"] = same(out, output_of(built(**inputs)))
@@ -241,7 +243,7 @@ def dynamo_control(auto: Any, folder: Path, inputs: dict[str, Any], expected: An
     phase("control")
     try:
         torch._dynamo.reset()
-        model = auto.from_pretrained(folder, dtype=torch.float32).eval()
+        model = auto.from_pretrained(folder, dtype=dtype_from_environment()).eval()
         with torch.no_grad():
             return max_diff(
                 expected, output_of(torch.compile(model, backend="eager", dynamic=True)(**inputs))
@@ -275,7 +277,12 @@ def load(
         try:
             phase("load")
             model = fxoffload_hf.from_pretrained(
-                folder, offload="fx", cpu_memory=budget, device="cpu", auto_class=auto
+                folder,
+                offload="fx",
+                cpu_memory=budget,
+                device="cpu",
+                auto_class=auto,
+                dtype=dtype_from_environment(),
             )  # capture: FXOFFLOAD_HF_CAPTURE, which coverage.py sets (--capture)
             where = "first call"
             phase(where)

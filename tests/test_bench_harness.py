@@ -437,3 +437,13 @@ def test_a_sweeps_shape_reaches_its_children_through_the_environment(monkeypatch
     shape = shrink.TINY.with_sizes(hidden=1024, vocab=32000)
     monkeypatch.setenv(shrink.SHAPE_VARIABLE, json.dumps(dataclasses.asdict(shape)))
     assert shrink.shape_from_environment() == shape and shape.head_dim == 64
+
+
+def test_a_sweeps_dtype_reaches_its_children_through_the_environment(monkeypatch):
+    import torch
+    from harness import shrink
+
+    monkeypatch.delenv(shrink.DTYPE_VARIABLE, raising=False)
+    assert shrink.dtype_from_environment() is torch.float32
+    monkeypatch.setenv(shrink.DTYPE_VARIABLE, "bfloat16")
+    assert shrink.dtype_from_environment() is torch.bfloat16

@@ -48,6 +48,14 @@ class Shape:
 
 TINY = Shape()
 SHAPE_VARIABLE = "FXOFFLOAD_BENCH_SHAPE"  # a sweep's shape, for its children (``Shape`` as JSON)
+DTYPE_VARIABLE = "FXOFFLOAD_BENCH_DTYPE"  # and its models' dtype (a torch dtype's name; float32 unset)
+
+
+def dtype_from_environment() -> Any:
+    """The torch dtype a sweep's parent set for its children's models; float32 where none was set."""
+    import torch
+
+    return getattr(torch, os.environ.get(DTYPE_VARIABLE, "float32"))
 
 
 def shape_from_environment() -> Shape:
