@@ -2,10 +2,10 @@
 
 ``weight.to(x.dtype)`` or ``weight.float()`` of a weight already of that dtype returns the weight
 itself, yet dynamo records it as a node between the weight and its projection, and a weight used by
-anything but projections and lookups cannot stream in tiles (``tiles.blocking_use``). Ergo's output
+anything but projections and lookups cannot stream in tiles (``projections.blocking_use``). Ergo's output
 head computes ``F.linear(x.float(), weight.to(x.dtype).float())``: in fp32 both conversions return the
 weight, and its 62.5 MiB head (vocabulary 32,000, width 512) had to fit whole. A conversion that changes
-the dtype, the device or the layout is kept (and still blocks tiles, by name).
+the dtype is kept: tiles convert their own rows where only projections read it (``projections``).
 """
 
 from __future__ import annotations

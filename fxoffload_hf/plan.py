@@ -32,6 +32,7 @@ from fxoffload_hf.memory_model import (
 from fxoffload_hf.noop_conversions import drop_noop_conversions
 from fxoffload_hf.plan_eager import eager_floor
 from fxoffload_hf.planner import partition_for_budget
+from fxoffload_hf.projections import compute_dtype, conversion_of
 from fxoffload_hf.reserved_cache import full_attention_only
 from fxoffload_hf.tradeoff import Bandwidths, Estimate, budgets_between, estimate
 
@@ -61,6 +62,8 @@ class PlanReport:
     eager_set_by: str = ""
     tradeoff: list[Estimate] = field(default_factory=list)
     error: str | None = None
+    # the activation peak where weights converted before their projections stream in tiles (``projections``)
+    tiled_activation_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -79,7 +82,7 @@ class PlanReport:
             f"model              {self.model}",
             f"weights            {format_bytes(self.weight_bytes)}",
             f"small resident     {format_bytes(self.resident_small_bytes)} (buffers and small parameters)",
-            f"activation peak    {format_bytes(self.activation_bytes)} (estimated, one forward)",
+            f"activation peak    {format_bytes(self.activation_bytes)} (estimated, one forward{self._tiled()})",
             f"KV cache           {format_bytes(self.kv_cache_bytes)} (generate up to that length; a decode "
             "step holds two)",
             *graphs,
@@ -98,6 +101,14 @@ class PlanReport:
             f"resident at most   {format_bytes(self.resident_bytes_max)} (kept in memory, the rest streams)",
         ]
         return "\n".join(lines + self._tradeoff_lines())
+
+    def _tiled(self) -> str:
+        if self.tiled_activation_bytes is None or self.tiled_activation_bytes == self.activation_bytes:
+            return ""
+        return (
+            f"; {format_bytes(self.tiled_activation_bytes)} with the weights converted to another dtype "
+            "before their projections in tiles, each converting its own rows"
+        )
 
     def _eager_line(self) -> str:
         if self.eager_budget is None:
@@ -189,16 +200,25 @@ def plan_config(
     small = _small_tensors(model)
     forward = activation_peak(gm.graph, set(weights))
     kv = kv_cache_bytes(config, batch, seq_len, _dtype_bytes(model))
-    # generate: the prefill builds the cache beside its activations; a decode step at the last length
-    # holds the cache it was passed and, unless it is written in place (``reserved_cache``: full
-    # attention only), the one it builds
-    activations = forward + kv if full_attention_only(config) else max(forward + kv, 2 * kv)
+
+    def with_kv(forward: int) -> int:
+        # generate: the prefill builds the cache beside its activations; a decode step at the last length
+        # holds the cache it was passed and, unless it is written in place (``reserved_cache``: full
+        # attention only), the one it builds
+        return forward + kv if full_attention_only(config) else max(forward + kv, 2 * kv)
+
+    activations = with_kv(forward)
     # a table used only for lookups is read by rows where it lies (``row_lookups`` on CUDA), and a weight
     # that only projections and lookups use streams in tiles of rows if it must (``tiles``)
     sizes = {w: 0 if only_row_lookups(w) else b for w, b in weights.items()}
     shapes = {w: tuple(v.shape) for w, v in zip(placeholders, example_inputs, strict=False) if w in weights}
     itemsize = _dtype_bytes(model)
     tileable = {w for w in sizes if sizes[w] and tiles.can_tile(w, shapes[w])}
+    # at the floor those stream in tiles, each converting its own rows where the model converts the
+    # weight (counted in the tile): the whole converted weight is not an activation there
+    converted = {c for w in tileable for c in w.users if conversion_of(c, w) is not None}
+    tiled_forward = activation_peak(gm.graph, set(weights) | converted) if converted else forward
+    floor_activations = with_kv(tiled_forward)
     memory = MemoryModel.where_it_computes(device_type, gpu_budget, cpu_budget, small)
     eager = eager_floor(model, ids, memory.fixed_bytes, device_type)
     # generate captures two graphs (prefill, decode), each about this one's size; the floor holds the
@@ -212,11 +232,11 @@ def plan_config(
     host_budget = None if device_type != "cuda" or cpu_budget is None else max(cpu_budget - host_graphs, 0)
     floors = {
         w: memory.smallest_budget(
-            tiles.smallest_tile_bytes(shapes[w], itemsize, device_type),
-            activations + tiles.extra_activation_bytes(w),
+            tiles.smallest_tile_bytes(shapes[w], itemsize, device_type, compute_dtype(w)),
+            floor_activations + tiles.extra_activation_bytes(w),
         )
         if w in tileable
-        else memory.smallest_budget(b, activations)
+        else memory.smallest_budget(b, floor_activations)
         for w, b in sizes.items()
     }
     heaviest = max(floors, key=lambda w: floors[w], default=None)
@@ -225,6 +245,7 @@ def plan_config(
         weight_bytes=sum(weights.values()),
         resident_small_bytes=small,
         activation_bytes=forward,
+        tiled_activation_bytes=tiled_forward,
         kv_cache_bytes=kv,
         budget_name=memory.budget_name,
         budget=memory.budget,
@@ -232,7 +253,7 @@ def plan_config(
         arena_bytes=0,
         resident_bytes_max=0,
         smallest_budget=floors[heaviest] if heaviest else memory.smallest_budget(0, activations),
-        floor_set_by=_floor_reason(heaviest, heaviest in tileable, sizes, labels, activations, memory),
+        floor_set_by=_floor_reason(heaviest, heaviest in tileable, sizes, labels, floor_activations, memory),
         device=device_type,
         blocks_traced=capture.blocks_traced,
         blocks_reused=capture.blocks_reused,
@@ -289,15 +310,16 @@ def _tile_for_room(
     oversized = [w for w in tileable if sizes[w] > tiles.too_large_for(room, device_type)]
     room -= max(map(tiles.extra_activation_bytes, oversized), default=0)
     for weight in oversized:
-        per_tile = tiles.graph_tile_rows(shapes[weight], itemsize, room // tiles.tile_share(shapes[weight]))
+        shape, compute = shapes[weight], compute_dtype(weight)
+        per_tile = tiles.graph_tile_rows(
+            shape, itemsize, tiles.tile_target(room, shape, itemsize, device_type, compute)
+        )
         if not per_tile:
             continue  # the partition refuses it by name
-        ranges = tiles.tile_ranges(shapes[weight][0], per_tile)
+        ranges = tiles.tile_ranges(shape[0], per_tile)
         made = tiles.split(gm, weight, ranges, tiles.tile_op(device_type))
-        row_bytes = sizes[weight] // shapes[weight][0]
-        held = tiles.times_held(device_type, shapes[weight])
         for start, stop, node in made:
-            sizes[node] = held * (stop - start) * row_bytes
+            sizes[node] = tiles.tile_held_bytes(shape, itemsize, stop - start, device_type, compute)
             labels[node] = f"{labels[weight]}[{start}:{stop}]"
         sizes[weight] = 0 if only_row_lookups(weight) else sizes[weight]
 

@@ -130,10 +130,13 @@ def tile_linear(
     start: int,
     rows: int,
     filled: torch.Tensor | None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``linear(x, W, bias)`` for a ``W`` of ``rows`` rows of which only ``tile`` (its rows from ``start``)
     is given: exact in the tile's columns. The first tile's call returns its whole output; each later
-    one copies its columns into that output (``filled``) and returns it."""
+    one copies its columns into that output (``filled``) and returns it. ``dtype``: the product is of
+    ``W.to(dtype)`` (a weight the model converts before its projection), the tile converted first."""
+    tile = _converted(tile, dtype)
     key = _kernel_key(x, tile, bias, start, rows)
     verdict = _verdicts.get(key)
     if verdict:
@@ -158,16 +161,21 @@ def tile_linear_alone(
     start: int,
     rows: int,
     filled: torch.Tensor | None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """As ``tile_linear``, with the tile's rows as a product of their own (on CUDA; on the CPU where that
     was seen to be exact)."""
-    out = _alone(x, tile, bias, start)
+    out = _alone(x, _converted(tile, dtype), bias, start)
     if filled is None:
         filled = out.new_empty(*out.shape[:-1], rows)
     filled[..., start : start + tile.shape[0]] = out
     return filled
 
 
-TileOp = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor | None, int, int, torch.Tensor | None], torch.Tensor
-]
+def _converted(tile: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``tile`` as the model's conversion of its weight gives it (``W.to(dtype)``: a new tensor, whose
+    ``requires_grad`` follows grad mode as eager's conversion's does)."""
+    return tile if dtype is None or dtype == tile.dtype else tile.to(dtype)
+
+
+TileOp = Callable[..., torch.Tensor]  # (x, tile, bias, start, rows, filled[, dtype]) -> filled

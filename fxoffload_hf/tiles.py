@@ -31,7 +31,6 @@ from fxoffload_hf.capture import ghost_for
 from fxoffload_hf.graphs import (
     GraphFacts,
     activation_peak,
-    is_row_lookup,
     tile_placeholders,
     traced_value,
     value_bytes,
@@ -39,38 +38,12 @@ from fxoffload_hf.graphs import (
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
 from fxoffload_hf.planner import sizes_for_budget
 from fxoffload_hf.progress import report
+from fxoffload_hf.projections import blocking_use, compute_dtype, conversion_of, describe, projections
 from fxoffload_hf.tile_products import TileOp, tile_linear, tile_linear_alone
 from fxoffload_hf.weight_record import WeightRecord
 from fxoffload_hf.weights import WeightStore
 
 _PAGE = mmap.PAGESIZE
-_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
-
-
-def _is_projection_of(user: fx.Node, weight: fx.Node) -> bool:
-    """Whether ``user`` is ``linear(x, weight[, bias])`` with ``weight`` only as its weight."""
-    if user.op != "call_function" or user.target not in _LINEAR:
-        return False
-    args = [*user.args, *user.kwargs.values()]
-    return len(user.args) >= 2 and user.args[1] is weight and args.count(weight) == 1
-
-
-def blocking_use(weight: fx.Node) -> fx.Node | None:
-    """The first use of ``weight`` that tiles cannot serve (neither a projection by it nor a row lookup),
-    or None when every use can be served."""
-    for user in weight.users:
-        if not _is_projection_of(user, weight) and not is_row_lookup(user, weight):
-            return user
-    return None
-
-
-def describe(node: fx.Node) -> str:
-    """A user's name for an fx node's operation."""
-    target = node.target
-    name = target if isinstance(target, str) else getattr(target, "__name__", repr(target))
-    return f"`{name}` ({node.op.replace('_', ' ')})"
-
-
 # rows a tile takes in multiples of, where it can (MKL here takes a matrix-vector product's rows in pairs:
 # an odd tile rounds its last row apart; a group of 16 leaves room for wider kernels)
 ROW_GROUP = 16
@@ -151,11 +124,35 @@ def tile_share(shape: Sequence[int]) -> int:
     return 2 if len(shape) == 3 else 4
 
 
-def smallest_tile_bytes(shape: Sequence[int], itemsize: int, device_type: str) -> int:
-    """What the smallest tile of a weight holds while it computes (``times_held``)."""
-    return (
-        times_held(device_type, shape) * fewest_tile_rows(shape, itemsize) * math.prod(shape[1:]) * itemsize
-    )
+def smallest_tile_bytes(
+    shape: Sequence[int], itemsize: int, device_type: str, compute: torch.dtype | None = None
+) -> int:
+    """What the smallest tile of a weight holds while it computes (``tile_held_bytes``)."""
+    return tile_held_bytes(shape, itemsize, fewest_tile_rows(shape, itemsize), device_type, compute)
+
+
+def tile_held_bytes(
+    shape: Sequence[int], itemsize: int, rows: int, device_type: str, compute: torch.dtype | None = None
+) -> int:
+    """What a tile of ``rows`` rows of a weight of ``shape`` holds while it computes: ``times_held`` its
+    bytes; where its projection converts it to ``compute``, its bytes, its converted copy and (on the
+    CPU) that copy's in the whole-shaped buffer (``WeightRecord.footprint``)."""
+    elements = rows * math.prod(shape[1:])
+    if compute is None or compute.itemsize == itemsize or len(shape) != 2:
+        return times_held(device_type, shape) * elements * itemsize
+    copies = 2 if copied_to_compute(device_type) else 1
+    return elements * (itemsize + copies * compute.itemsize)
+
+
+def tile_target(
+    room: int, shape: Sequence[int], itemsize: int, device_type: str, compute: torch.dtype | None
+) -> int:
+    """The bytes of a weight's own rows a tile is sized to within ``room`` (``tile_share`` of it; less
+    where its projection converts it, by what the converted copies add)."""
+    target = room // tile_share(shape)
+    plain = tile_held_bytes(shape, itemsize, 1, device_type)
+    held = tile_held_bytes(shape, itemsize, 1, device_type, compute)
+    return target if held <= plain else target * plain // held
 
 
 def smallest_unit(record: WeightRecord, device_type: str) -> int:
@@ -232,23 +229,25 @@ def tile_oversized(
             use = f"its use by {describe(blocker)}" if blocker else f"a {len(record.shape)}-D weight"
             why = (
                 f"{record.name} takes {format_bytes(sizes[node])} and must fit whole: {use} cannot be "
-                "split into tiles (linear projections and embedding lookups can, by rows, and stacked "
-                "experts used by grouped products, by experts)"
+                "split into tiles (linear projections, of the weight or of it converted to another "
+                "dtype, and embedding lookups can, by rows, and stacked experts used by grouped "
+                "products, by experts)"
             )
             short.append((memory.smallest_budget(sizes[node], activations), why))
     for node in tileable:
         record = records[facts.names[node]]
         shape, itemsize = record.shape, record.dtype.itemsize
+        compute = compute_dtype(node)
         # two tiles in flight in the room, else tiles that stream alone (``tile_share``)
-        share = tile_share(shape)
-        per_tile = graph_tile_rows(shape, itemsize, room // share) or graph_tile_rows(
-            shape, itemsize, room // (share // 2)
-        )
+        target = tile_target(room, shape, itemsize, device_type, compute)
+        per_tile = graph_tile_rows(shape, itemsize, target) or graph_tile_rows(shape, itemsize, 2 * target)
         if not per_tile and sizes[node] <= room:
             continue  # its fewest rows (held twice) take more than it whole: it streams whole, alone
-        todo.append((node, record, per_tile))
+        todo.append((node, record, per_tile, compute))
         if not per_tile:
             unit = smallest_unit(record, device_type)
+            if compute is not None:
+                unit = min(unit, smallest_tile_bytes(shape, itemsize, device_type, compute))
             copy = " with its copy" if on_cpu and len(shape) == 2 else ""
             kind = "experts" if len(shape) == 3 else "rows"
             why = (
@@ -265,13 +264,14 @@ def tile_oversized(
         return gm, []
     gm, copies = own_copy(gm)
     ghosts, tiled = [], []
-    for node, record, per_tile in todo:
+    for node, record, per_tile, compute in todo:
         made = split(gm, copies[node], tile_ranges(record.shape[0], per_tile), op)
         rows = "experts" if len(record.shape) == 3 else "rows"
         tiled.append(f"{record.name} ({len(made)} tiles of {per_tile} {rows})")
         for start, stop, _ in made:
             # a tile of experts computes alone, exactly: never copied into a whole-shaped buffer
-            tile = store.add_tile(record.name, start, stop, copied=on_cpu and len(record.shape) == 2)
+            copied = on_cpu and len(record.shape) == 2
+            tile = store.add_tile(record.name, start, stop, copied=copied, compute_dtype=compute)
             ghosts.append(ghost_for(store, tile, store.device))
     report("too large to stream beside another piece, split into tiles: %s", ", ".join(tiled))
     return gm, ghosts
@@ -319,24 +319,28 @@ def own_copy(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]
 def split_projections(
     gm: fx.GraphModule, weight: fx.Node, ranges: Sequence[tuple[int, int]], op: TileOp
 ) -> Tiling:
-    """Rewrite every ``linear`` of ``weight`` in ``gm`` as a chain of calls of ``op`` (``tile_linear`` or
-    ``tile_linear_alone``), one per range of rows, each reading a new placeholder (appended after the
-    graph's own, so the call's arguments keep their positions) and filling its columns of the first
-    call's output. Row lookups keep ``weight``."""
+    """Rewrite every ``linear`` of ``weight`` in ``gm`` (or of its conversion to another dtype) as a chain
+    of calls of ``op`` (``tile_linear`` or ``tile_linear_alone``), one per range of rows, each reading a
+    new placeholder (appended after the graph's own, so the call's arguments keep their positions) and
+    filling its columns of the first call's output; a conversion becomes each tile's own. Row lookups
+    keep ``weight``."""
     graph = gm.graph
     rows = int(traced_value(weight).shape[0])
     tiles = tile_placeholders(graph, weight, ranges, "rows")
-    for user in [u for u in weight.users if _is_projection_of(u, weight)]:
+    for user, dtype in projections(weight):
         x = user.args[0]
         bias = user.args[2] if len(user.args) > 2 else user.kwargs.get("bias")
         filled: fx.Node | None = None
         with graph.inserting_before(user):
             for start, _stop, tile in tiles:
-                filled = graph.call_function(op, (x, tile, bias, start, rows, filled))
+                converts = () if dtype is None else (dtype,)
+                filled = graph.call_function(op, (x, tile, bias, start, rows, filled, *converts))
                 filled.meta["example_value"] = traced_value(user)
         assert filled is not None, f"{weight.name}: no rows to tile"
         user.replace_all_uses_with(filled)
         graph.erase_node(user)
+    for conversion in [u for u in weight.users if not u.users and conversion_of(u, weight) is not None]:
+        graph.erase_node(conversion)  # its projections read the tiles now
     gm.recompile()
     return Tiling(weight, tuple(tiles))
 
@@ -346,6 +350,4 @@ def extra_activation_bytes(weight: fx.Node) -> int:
     a tile computes beside the output being filled (of its grouped product, for stacked experts)."""
     if len(traced_value(weight).shape) == 3:
         return expert_tiles.extra_activation_bytes(weight)
-    return max(
-        (value_bytes(traced_value(u)) for u in weight.users if _is_projection_of(u, weight)), default=0
-    )
+    return max((value_bytes(traced_value(u)) for u, _ in projections(weight)), default=0)

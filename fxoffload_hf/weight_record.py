@@ -53,6 +53,8 @@ class WeightRecord:
     tile_of: str | None = None  # rows ``tile_rows`` of this weight, computed with as a tile (``tiles``)
     tile_rows: tuple[int, int] = (0, 0)
     tile_copied: bool = False  # the tile is copied into a whole-shaped buffer to compute (on the CPU)
+    # the dtype the model converts the weight to before its projection (``W.float()``), where it does
+    tile_compute_dtype: torch.dtype | None = None
     # the parameter's own flag: ATen picks some kernels by it even without autograd (see
     # ``loaders.as_parameters``), so the compute must see the weight with it
     requires_grad: bool = False
@@ -65,8 +67,13 @@ class WeightRecord:
     def footprint(self) -> int:
         """Bytes in flight while this weight is brought in: the file's bytes, plus the converted copy if
         the file's dtype is not the compute dtype."""
-        # a tile copied into its weight's whole-shaped buffer for the compute is held twice
-        copy = self.nbytes if self.tile_copied else 0
+        # a tile copied into its weight's whole-shaped buffer for the compute is held twice; a tile the
+        # model converts is held converted too, and its copy in the buffer is in the converted dtype
+        compute = self.tile_compute_dtype
+        converted = 0
+        if compute is not None and compute != self.dtype:
+            converted = nbytes(self.shape, compute.itemsize)
+        copy = converted + ((converted or self.nbytes) if self.tile_copied else 0)
         if self.disk is None or self.host is not None:
             return self.nbytes + copy
         return self.disk.nbytes + (self.nbytes if self.disk.dtype != self.dtype else 0) + copy

@@ -70,11 +70,16 @@ class WeightStore:
         self.records[name] = record
         return record
 
-    def add_tile(self, name: str, start: int, stop: int, *, copied: bool) -> WeightRecord:
+    def add_tile(
+        self, name: str, start: int, stop: int, *, copied: bool, compute_dtype: torch.dtype | None = None
+    ) -> WeightRecord:
         """Rows ``start:stop`` of weight ``name`` as a weight of their own, streamed like any other: a
         byte range of the same file, or a view of the same host tensor (``tiles``); ``copied``: copied
-        into a whole-shaped buffer to compute. Made once."""
+        into a whole-shaped buffer to compute; ``compute_dtype``: converted to it first. Made once (a
+        conversion, once asked for, stays counted)."""
         tile_name = f"{name}[{start}:{stop}]"
+        if tile_name in self.records and compute_dtype is not None:
+            self.records[tile_name].tile_compute_dtype = compute_dtype
         if tile_name not in self.records:
             parent = self.records[name]
             shape = (stop - start, *parent.shape[1:])
@@ -86,6 +91,7 @@ class WeightStore:
                 tile_of=name,
                 tile_rows=(start, stop),
                 tile_copied=copied,
+                tile_compute_dtype=compute_dtype,
             )
             self._tiles.setdefault(name, []).append(tile_name)
             self._point_tile(self.records[tile_name], parent)

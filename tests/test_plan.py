@@ -156,3 +156,23 @@ def test_a_cpu_floor_counts_generates_two_captured_graphs_a_gpu_floor_does_not(m
     beyond = cpu.smallest_budget - uncounted.smallest_budget - cpu.graph_state_bytes
     assert one_graph - uncounted.smallest_budget < beyond < one_graph  # activations' room taken by it
     assert "kept while a graph is captured" in cpu.floor_set_by
+
+
+def test_a_head_converted_before_its_projection_sets_the_floor_by_its_tiles():
+    # Ergo's head: ``F.linear(x.float(), weight.float())`` of a bf16 weight; its tiles convert their own
+    # rows, so neither the head nor its whole fp32 copy sets the floor
+    import torch
+
+    config = tf.ErgoConfig(
+        vocab_size=32000, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        first_dense_intermediate_size=512, moe_intermediate_size=128, shared_intermediate_size=256,
+        num_experts=4, num_experts_per_tok=2, sliding_window=16, global_attention_every_n_layers=2,
+    )  # fmt: skip
+    config.dtype = torch.bfloat16
+    report = plan_config(config, gpu_memory="1GiB", device="cuda", seq_len=32)
+    head = 32000 * 256 * 2
+    assert "lm_head.weight" in report.floor_set_by and "tiles" in report.floor_set_by
+    assert report.smallest_budget < head
+    # the whole head converted to fp32 (31 MiB) is not an activation where it streams in tiles
+    assert report.tiled_activation_bytes is not None
+    assert report.tiled_activation_bytes == report.activation_bytes - 2 * head

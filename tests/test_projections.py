@@ -1,0 +1,126 @@
+"""A weight projected through a conversion of its dtype (``W.float()``) streams in tiles, each tile
+converting its own rows, bit for bit as eager: the uses found in captured graphs, the tile product, and
+Ergo in bf16 (its output head computes ``F.linear(x.float(), weight.float())``) at a tenth of its weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+import fxoffload_hf
+from fxoffload_hf import tiles
+from fxoffload_hf.noop_conversions import drop_noop_conversions
+from fxoffload_hf.projections import blocking_use, compute_dtype, describe, projections
+
+
+class _ConvertedHead(nn.Module):
+    """Ergo's head: the weight converted to the input's dtype, then both to fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64, 16, dtype=torch.bfloat16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.to(x.dtype).float())
+
+
+class _ConvertedAndSummed(_ConvertedHead):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.float()
+        return F.linear(x.float(), weight) + weight.sum()
+
+
+def _weight_of(module: nn.Module, x: torch.Tensor) -> fx.Node:
+    """``module``'s captured graph's weight placeholder, no-op conversions dropped as the engine does."""
+    graphs: list[fx.GraphModule] = []
+
+    def backend(gm: fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(module, backend=backend, fullgraph=True)(x)
+    finally:
+        torch._dynamo.reset()
+    (gm,) = graphs
+    (weight,) = [n for n in gm.graph.nodes if n.op == "placeholder" and "weight" in n.name]
+    drop_noop_conversions(gm.graph, [weight])
+    return weight
+
+
+def test_a_projection_through_a_dtype_conversion_is_served_by_tiles() -> None:
+    weight = _weight_of(_ConvertedHead(), torch.randn(3, 16, dtype=torch.bfloat16))
+    ((projection, dtype),) = projections(weight)
+    assert projection.target is torch._C._nn.linear and dtype is torch.float32
+    assert blocking_use(weight) is None and compute_dtype(weight) is torch.float32
+
+
+def test_a_conversion_read_by_anything_but_projections_blocks_tiles_by_name() -> None:
+    weight = _weight_of(_ConvertedAndSummed(), torch.randn(3, 16))
+    blocker = blocking_use(weight)
+    assert blocker is not None and describe(blocker) == "`float` (call method)"
+    assert projections(weight) == []
+
+
+@pytest.mark.parametrize("per_tile", [16, 48])
+def test_tiles_converting_their_rows_equal_the_converted_weights_product(per_tile: int) -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(200, 96, generator=generator).to(torch.bfloat16)
+    x = torch.randn(5, 96, generator=generator)
+    for op in (tiles.tile_linear, tiles.tile_linear_alone):
+        filled = None
+        for start, stop in tiles.tile_ranges(200, per_tile):
+            filled = op(x, weight[start:stop], None, start, 200, filled, torch.float32)
+        assert filled is not None and filled.dtype == torch.float32
+        assert torch.equal(filled, F.linear(x, weight.float()))
+
+
+def test_a_converted_tile_is_counted_with_its_converted_copies() -> None:
+    # bf16 rows converted to fp32: the rows (2 bytes), the converted copy and its copy in the
+    # whole-shaped buffer (4 bytes each)
+    shape = (32, 8)
+    assert tiles.tile_held_bytes(shape, 2, 32, "cpu", torch.float32) == 32 * 8 * (2 + 4 + 4)
+    assert tiles.tile_held_bytes(shape, 2, 32, "cpu") == 32 * 8 * 2 * 2
+    assert tiles.tile_held_bytes(shape, 2, 32, "cuda", torch.float32) == 32 * 8 * (2 + 4)
+
+
+def _ergo_bf16(folder):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.ErgoConfig(
+        vocab_size=32000, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        first_dense_intermediate_size=512, moe_intermediate_size=128, shared_intermediate_size=256,
+        num_experts=4, num_experts_per_tok=2, sliding_window=16, global_attention_every_n_layers=2,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+
+
+@pytest.mark.slow
+def test_bf16_ergo_head_streams_in_converting_tiles_at_a_tenth_of_its_weights(tmp_path) -> None:
+    eager = _ergo_bf16(tmp_path)
+    weights = sum(p.numel() * p.element_size() for p in eager.parameters())
+    ids = torch.randint(3, 32000, (1, 12), generator=torch.Generator().manual_seed(0))
+    greedy = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        expected = eager.generate(ids, **greedy)
+    model = fxoffload_hf.from_pretrained(
+        tmp_path, offload="fx", cpu_memory=weights // 10, capture="first-call", dtype=torch.bfloat16
+    )
+    try:
+        with torch.no_grad():
+            got = model.generate(ids, **greedy)
+        assert torch.equal(got.sequences, expected.sequences)
+        for score, eager_score in zip(got.scores, expected.scores, strict=True):
+            assert score.dtype == torch.float32 and torch.equal(score, eager_score)
+        head = [
+            r for r in fxoffload_hf.engine_of(model).store.records.values() if r.tile_of == "lm_head.weight"
+        ]
+        assert head, "the output head was not tiled"
+        assert all(r.tile_compute_dtype is torch.float32 and r.footprint == 5 * r.nbytes for r in head)
+    finally:
+        fxoffload_hf.restore(model)
