@@ -72,6 +72,11 @@ def traced_value(node: fx.Node) -> Any:
     return node.meta.get("example_value", node.meta.get("val"))
 
 
+def is_method_of(node: fx.Node, source: fx.Node, methods: frozenset[str]) -> bool:
+    """Whether ``node`` calls one of tensor ``methods`` on ``source`` (``source.float()``)."""
+    return node.op == "call_method" and node.target in methods and bool(node.args) and node.args[0] is source
+
+
 def tile_placeholders(
     graph: fx.Graph, weight: fx.Node, ranges: Sequence[tuple[int, int]], what: str
 ) -> list[tuple[int, int, fx.Node]]:

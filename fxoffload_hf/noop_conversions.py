@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fxoffload_hf.graphs import traced_value
+from fxoffload_hf.graphs import is_method_of, traced_value
 
 # tensor methods that return the tensor itself where it is of the dtype, device and layout asked for
 _RETURN_SELF = frozenset({"to", "type", "type_as", "float", "double", "half", "bfloat16", "contiguous"})
@@ -21,12 +21,7 @@ _RETURN_SELF = frozenset({"to", "type", "type_as", "float", "double", "half", "b
 
 def is_noop_conversion(node: fx.Node, source: fx.Node) -> bool:
     """Whether ``node`` is a conversion of ``source`` that returns ``source`` itself."""
-    if (
-        node.op != "call_method"
-        or node.target not in _RETURN_SELF
-        or not node.args
-        or node.args[0] is not source
-    ):
+    if not is_method_of(node, source, _RETURN_SELF):
         return False
     if node.kwargs.get("copy") or node.kwargs.get("memory_format") not in (None, torch.preserve_format):
         return False

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fxoffload_hf.graphs import is_row_lookup, traced_value
+from fxoffload_hf.graphs import is_method_of, is_row_lookup, traced_value
 
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 
@@ -28,12 +28,7 @@ _CONVERSIONS = frozenset({"to", "float", "double", "half", "bfloat16"})
 def conversion_of(user: fx.Node, weight: fx.Node) -> torch.dtype | None:
     """The dtype ``user`` converts ``weight`` to, where it is ``weight.float()`` (``double``, ``half``,
     ``bfloat16``) or ``weight.to(dtype)``, nothing else changed; else None."""
-    if (
-        user.op != "call_method"
-        or user.target not in _CONVERSIONS
-        or not user.args
-        or user.args[0] is not weight
-    ):
+    if not is_method_of(user, weight, _CONVERSIONS):
         return None
     rest = [*user.args[1:], *user.kwargs.values()]
     if user.target == "to" and not (

@@ -15,9 +15,11 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fxoffload_hf
@@ -124,6 +126,13 @@ def checkpoint_config(arch: str):
         return tf.Gemma2Config(
             vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        )  # fmt: skip
+    if arch == "ergo-vocab-heavy":  # its head computes F.linear(x.float(), weight.float())
+        return tf.ErgoConfig(
+            vocab_size=32000, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, first_dense_intermediate_size=512, moe_intermediate_size=128,
+            shared_intermediate_size=256, num_experts=4, num_experts_per_tok=2, sliding_window=16,
+            global_attention_every_n_layers=2,
         )  # fmt: skip
     if arch == "qwen2":
         return tf.Qwen2Config(num_key_value_heads=2, **small)
@@ -563,3 +572,41 @@ def counted_graph_state(monkeypatch) -> None:
 def default_capture(monkeypatch) -> None:
     """The library's own default capture mode for this test (the suite otherwise captures at the first call)."""
     monkeypatch.delenv("FXOFFLOAD_HF_CAPTURE")
+
+
+class ConvertedHead(nn.Module):
+    """Ergo's output head: its weight converted to the input's dtype, then both to fp32."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64, 16, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.to(x.dtype).float())
+
+
+@pytest.fixture(name="converted_head")
+def converted_head_fixture() -> type[ConvertedHead]:
+    return ConvertedHead
+
+
+@pytest.fixture
+def captured_graph() -> Callable[[nn.Module, torch.Tensor], tuple[Any, list[Any]]]:
+    """Capture ``module(x)`` as one graph with dynamo (no engine): the graph and its weight placeholders."""
+
+    def capture(module: nn.Module, x: torch.Tensor) -> tuple[Any, list[Any]]:
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        try:
+            torch.compile(module, backend=backend, fullgraph=True)(x)
+        finally:
+            torch._dynamo.reset()
+        (gm,) = graphs
+        return gm, [n for n in gm.graph.nodes if n.op == "placeholder" and "weight" in n.name]
+
+    return capture

@@ -158,16 +158,12 @@ def test_a_cpu_floor_counts_generates_two_captured_graphs_a_gpu_floor_does_not(m
     assert "kept while a graph is captured" in cpu.floor_set_by
 
 
-def test_a_head_converted_before_its_projection_sets_the_floor_by_its_tiles():
+def test_a_head_converted_before_its_projection_sets_the_floor_by_its_tiles(checkpoint_config):
     # Ergo's head: ``F.linear(x.float(), weight.float())`` of a bf16 weight; its tiles convert their own
     # rows, so neither the head nor its whole fp32 copy sets the floor
     import torch
 
-    config = tf.ErgoConfig(
-        vocab_size=32000, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        first_dense_intermediate_size=512, moe_intermediate_size=128, shared_intermediate_size=256,
-        num_experts=4, num_experts_per_tok=2, sliding_window=16, global_attention_every_n_layers=2,
-    )  # fmt: skip
+    config = checkpoint_config("ergo-vocab-heavy")
     config.dtype = torch.bfloat16
     report = plan_config(config, gpu_memory="1GiB", device="cuda", seq_len=32)
     head = 32000 * 256 * 2

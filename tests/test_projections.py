@@ -15,53 +15,35 @@ from fxoffload_hf.noop_conversions import drop_noop_conversions
 from fxoffload_hf.projections import blocking_use, compute_dtype, describe, projections
 
 
-class _ConvertedHead(nn.Module):
-    """Ergo's head: the weight converted to the input's dtype, then both to fp32."""
-
+class _ConvertedAndSummed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(64, 16, dtype=torch.bfloat16), requires_grad=False)
+        self.weight = nn.Parameter(torch.randn(64, 16), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.to(x.dtype).float())
+        weight = self.weight.double()
+        return F.linear(x.double(), weight) + weight.sum()
 
 
-class _ConvertedAndSummed(_ConvertedHead):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.float()
-        return F.linear(x.float(), weight) + weight.sum()
-
-
-def _weight_of(module: nn.Module, x: torch.Tensor) -> fx.Node:
+def _weight_of(captured_graph, module: nn.Module, x: torch.Tensor) -> fx.Node:
     """``module``'s captured graph's weight placeholder, no-op conversions dropped as the engine does."""
-    graphs: list[fx.GraphModule] = []
-
-    def backend(gm: fx.GraphModule, example_inputs: list) -> object:
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    try:
-        torch.compile(module, backend=backend, fullgraph=True)(x)
-    finally:
-        torch._dynamo.reset()
-    (gm,) = graphs
-    (weight,) = [n for n in gm.graph.nodes if n.op == "placeholder" and "weight" in n.name]
+    gm, (weight,) = captured_graph(module, x)
     drop_noop_conversions(gm.graph, [weight])
     return weight
 
 
-def test_a_projection_through_a_dtype_conversion_is_served_by_tiles() -> None:
-    weight = _weight_of(_ConvertedHead(), torch.randn(3, 16, dtype=torch.bfloat16))
+def test_a_projection_through_a_dtype_conversion_is_served_by_tiles(converted_head, captured_graph) -> None:
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    weight = _weight_of(captured_graph, converted_head(torch.bfloat16), x)
     ((projection, dtype),) = projections(weight)
     assert projection.target is torch._C._nn.linear and dtype is torch.float32
     assert blocking_use(weight) is None and compute_dtype(weight) is torch.float32
 
 
-def test_a_conversion_read_by_anything_but_projections_blocks_tiles_by_name() -> None:
-    weight = _weight_of(_ConvertedAndSummed(), torch.randn(3, 16))
+def test_a_conversion_read_by_anything_but_projections_blocks_tiles_by_name(captured_graph) -> None:
+    weight = _weight_of(captured_graph, _ConvertedAndSummed(), torch.randn(3, 16))
     blocker = blocking_use(weight)
-    assert blocker is not None and describe(blocker) == "`float` (call method)"
+    assert blocker is not None and describe(blocker) == "`double` (call method)"
     assert projections(weight) == []
 
 
@@ -87,22 +69,16 @@ def test_a_converted_tile_is_counted_with_its_converted_copies() -> None:
     assert tiles.tile_held_bytes(shape, 2, 32, "cuda", torch.float32) == 32 * 8 * (2 + 4)
 
 
-def _ergo_bf16(folder):
+@pytest.mark.slow
+def test_bf16_ergo_head_streams_in_converting_tiles_at_a_tenth_of_its_weights(
+    tmp_path, checkpoint_config
+) -> None:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.ErgoConfig(
-        vocab_size=32000, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        first_dense_intermediate_size=512, moe_intermediate_size=128, shared_intermediate_size=256,
-        num_experts=4, num_experts_per_tok=2, sliding_window=16, global_attention_every_n_layers=2,
-    )  # fmt: skip
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-
-
-@pytest.mark.slow
-def test_bf16_ergo_head_streams_in_converting_tiles_at_a_tenth_of_its_weights(tmp_path) -> None:
-    eager = _ergo_bf16(tmp_path)
+    config = checkpoint_config("ergo-vocab-heavy")
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    eager = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
     weights = sum(p.numel() * p.element_size() for p in eager.parameters())
     ids = torch.randint(3, 32000, (1, 12), generator=torch.Generator().manual_seed(0))
     greedy = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
