@@ -246,13 +246,14 @@ def tile_oversized(
         todo.append((node, record, per_tile, compute))
         if not per_tile:
             unit = smallest_unit(record, device_type)
-            if compute is not None:
-                unit = min(unit, smallest_tile_bytes(shape, itemsize, device_type, compute))
             copy = " with its copy" if on_cpu and len(shape) == 2 else ""
+            if compute is not None:  # held with its converted copies (streamed whole, converted whole)
+                unit = smallest_tile_bytes(shape, itemsize, device_type, compute)
+                copy = f" with its copies in {str(compute).removeprefix('torch.')}"
             kind = "experts" if len(shape) == 3 else "rows"
             why = (
                 f"not even {record.name} alone ({format_bytes(unit)}) fits"
-                if unit >= record.footprint
+                if unit >= record.footprint and compute is None
                 else f"not even the smallest tile of {kind} of {record.name} ({format_bytes(unit)}{copy}, "
                 f"a weight making at most {MOST_GRAPH_TILES} tiles) fits"
             ) + " beside what a piece holds whatever its weights"

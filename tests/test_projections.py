@@ -100,3 +100,35 @@ def test_bf16_ergo_head_streams_in_converting_tiles_at_a_tenth_of_its_weights(
         assert all(r.tile_compute_dtype is torch.float32 and r.footprint == 5 * r.nbytes for r in head)
     finally:
         fxoffload_hf.restore(model)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("counted_graph_state")
+def test_the_budget_a_refusal_names_for_converting_tiles_is_larger_and_runs(
+    tmp_path, checkpoint_config
+) -> None:
+    # a converted tile holds five times its rows: a refusal that counted it as a plain tile (twice) named
+    # a budget the next capture refused again, naming a smaller one
+    import transformers
+
+    torch.manual_seed(0)
+    config = checkpoint_config("ergo-vocab-heavy")
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    ids = torch.randint(3, 32000, (1, 12), generator=torch.Generator().manual_seed(0))
+    budget, named = 4 * 2**20, []
+    for _ in range(5):
+        model = fxoffload_hf.from_pretrained(
+            tmp_path, offload="fx", cpu_memory=budget, capture="first-call", dtype=torch.bfloat16
+        )
+        try:
+            with torch.no_grad():
+                model(ids)
+            break
+        except fxoffload_hf.BudgetTooSmallError as refusal:
+            assert refusal.smallest_budget > budget, f"refused at {budget}, naming {refusal.smallest_budget}"
+            budget = refusal.smallest_budget
+            named.append(budget)
+        finally:
+            fxoffload_hf.restore(model)
+    else:
+        pytest.fail(f"still refused after following {named}")
