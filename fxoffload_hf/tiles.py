@@ -235,6 +235,10 @@ def tile_oversized(
             )
             short.append((memory.smallest_budget(sizes[node], activations), why))
     for node in tileable:
+        if sizes[node] <= too_large_for(room, device_type):
+            # chosen by the room beside the graph's activations untiled; tiled, they leave room for it
+            # whole (a weight converted whole, as Ergo's head, had counted its whole converted copy)
+            continue
         record = records[facts.names[node]]
         shape, itemsize = record.shape, record.dtype.itemsize
         compute = compute_dtype(node)

@@ -93,10 +93,12 @@ def test_bf16_ergo_head_streams_in_converting_tiles_at_a_tenth_of_its_weights(
         assert torch.equal(got.sequences, expected.sequences)
         for score, eager_score in zip(got.scores, expected.scores, strict=True):
             assert score.dtype == torch.float32 and torch.equal(score, eager_score)
-        head = [
-            r for r in fxoffload_hf.engine_of(model).store.records.values() if r.tile_of == "lm_head.weight"
-        ]
+        records = fxoffload_hf.engine_of(model).store.records
+        head = [r for r in records.values() if r.tile_of == "lm_head.weight"]
         assert head, "the output head was not tiled"
+        # weights that fit once the head is in tiles are not cut into one tile of all their rows
+        tiled = [r for r in records.values() if r.tile_of]
+        assert [r.name for r in tiled if r.tile_rows == (0, records[r.tile_of].shape[0])] == []
         assert all(r.tile_compute_dtype is torch.float32 and r.footprint == 5 * r.nbytes for r in head)
     finally:
         fxoffload_hf.restore(model)
