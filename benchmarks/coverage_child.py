@@ -69,7 +69,7 @@ def main(type_name: str, mapping: str, folder: Path, share: float | None = None)
             if share is not None
             else max(int(weights * BUDGET_SHARE), int(2.5 * largest) + 256 * 1024)
         )
-        record.update(budget_share=share)
+        record.update(budget_share=share, dtype=str(dtype_from_environment()).removeprefix("torch."))
         record.update(check_offloaded(auto, folder, inputs, reference, budget, record))
     except Skip as exc:
         record.update(status="skipped", reason=str(exc), traceback=tail(exc))

@@ -21,7 +21,9 @@ _RETURN_SELF = frozenset({"to", "type", "type_as", "float", "double", "half", "b
 
 def is_noop_conversion(node: fx.Node, source: fx.Node) -> bool:
     """Whether ``node`` is a conversion of ``source`` that returns ``source`` itself."""
-    if not is_method_of(node, source, _RETURN_SELF):
+    # one argument at most (a dtype, device or tensor): ``to``'s later positions are ``non_blocking``
+    # and ``copy``, and a copy is not the weight
+    if not is_method_of(node, source, _RETURN_SELF) or len(node.args) > 2:
         return False
     if node.kwargs.get("copy") or node.kwargs.get("memory_format") not in (None, torch.preserve_format):
         return False

@@ -7,7 +7,6 @@ the default, ``capture="deferred"``, runs a short answer that way).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,107 +30,11 @@ from fxoffload_hf.memory_model import (
 )
 from fxoffload_hf.noop_conversions import drop_noop_conversions
 from fxoffload_hf.plan_eager import eager_floor
+from fxoffload_hf.plan_report import PlanReport
 from fxoffload_hf.planner import partition_for_budget
 from fxoffload_hf.projections import compute_dtype, conversion_of
 from fxoffload_hf.reserved_cache import full_attention_only
-from fxoffload_hf.tradeoff import Bandwidths, Estimate, budgets_between, estimate
-
-
-@dataclass
-class PlanReport:
-    """What the engine would do with a model at given budgets, batch and sequence length."""
-
-    model: str
-    weight_bytes: int
-    resident_small_bytes: int
-    activation_bytes: int
-    budget_name: str
-    budget: int | None
-    pieces: list[int]
-    arena_bytes: int
-    resident_bytes_max: int
-    smallest_budget: int
-    floor_set_by: str = ""
-    device: str = "cpu"
-    blocks_traced: int = 0  # repeated blocks traced by dynamo, and those stamped out from that trace
-    blocks_reused: int = 0
-    kv_cache_bytes: int = 0  # generate's cache at batch x seq_len (full attention)
-    # host memory generate's two captured graphs hold (CPU budgets; on a GPU, charged to cpu_memory)
-    graph_state_bytes: int = 0
-    eager_budget: int | None = None  # the smallest budget of eager calls (None: they cannot be bounded)
-    eager_set_by: str = ""
-    tradeoff: list[Estimate] = field(default_factory=list)
-    error: str | None = None
-    # the activation peak where weights converted before their projections stream in tiles (``projections``)
-    tiled_activation_bytes: int | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["tradeoff"] = [asdict(e) | {"tokens_per_second": e.tokens_per_second} for e in self.tradeoff]
-        return out
-
-    def table(self) -> str:
-        graphs: list[str] = []  # shown where counted: CPU plans, and GPU plans given cpu_memory
-        if self.graph_state_bytes:
-            where = ", charged to cpu_memory" if self.device == "cuda" else ""
-            graphs.append(
-                f"captured graphs    {format_bytes(self.graph_state_bytes)} (dynamo's state of generate's "
-                f"two graphs, in host memory{where})"
-            )
-        lines = [
-            f"model              {self.model}",
-            f"weights            {format_bytes(self.weight_bytes)}",
-            f"small resident     {format_bytes(self.resident_small_bytes)} (buffers and small parameters)",
-            f"activation peak    {format_bytes(self.activation_bytes)} (estimated, one forward{self._tiled()})",
-            f"KV cache           {format_bytes(self.kv_cache_bytes)} (generate up to that length; a decode "
-            "step holds two)",
-            *graphs,
-            f"budget             {self.budget_name}={format_bytes(self.budget)}",
-            f"smallest budget    {format_bytes(self.smallest_budget)} (captured and streamed; set by "
-            f"{self.floor_set_by})",
-            self._eager_line(),
-        ]
-        if self.error:
-            lines.append(f"cannot run         {self.error}")
-            return "\n".join(lines)
-        lines += [
-            f"pieces             {len(self.pieces)} (weights per piece {format_bytes(min(self.pieces))} .. "
-            f"{format_bytes(max(self.pieces))})",
-            f"staging arena      {format_bytes(self.arena_bytes)} (two consecutive pieces in flight, or one too large to pair)",
-            f"resident at most   {format_bytes(self.resident_bytes_max)} (kept in memory, the rest streams)",
-        ]
-        return "\n".join(lines + self._tradeoff_lines())
-
-    def _tiled(self) -> str:
-        if self.tiled_activation_bytes is None or self.tiled_activation_bytes == self.activation_bytes:
-            return ""
-        return (
-            f"; {format_bytes(self.tiled_activation_bytes)} with the weights converted to another dtype "
-            "before their projections in tiles, each converting its own rows"
-        )
-
-    def _eager_line(self) -> str:
-        if self.eager_budget is None:
-            return f"eager calls        not bounded: {self.eager_set_by}"
-        return (
-            f'eager calls from   {format_bytes(self.eager_budget)} (the default, capture="deferred", runs calls '
-            f"eagerly from this budget on, until capture is worth its cost; set by {self.eager_set_by})"
-        )
-
-    def _tradeoff_lines(self) -> list[str]:
-        if not self.tradeoff:
-            return []
-        lines = [
-            "",
-            f"decode speed by {self.budget_name} on {self.device} (predicted from sizes and assumed bandwidths)",
-            f"{'budget':>12} {'resident':>12} {'from host':>12} {'from disk':>12} {'tokens/s':>10}",
-        ]
-        for e in self.tradeoff:
-            lines.append(
-                f"{format_bytes(e.budget):>12} {format_bytes(e.resident):>12} {format_bytes(e.from_host):>12} "
-                f"{format_bytes(e.from_disk):>12} {e.tokens_per_second:>10.2f}"
-            )
-        return lines
+from fxoffload_hf.tradeoff import Bandwidths, budgets_between, estimate
 
 
 def plan_checkpoint(
@@ -230,16 +133,27 @@ def plan_config(
     if device_type == "cuda" and cpu_budget is not None and counts_graph_state():
         host_graphs = 2 * graph_state_bytes(len(gm.graph.nodes))
     host_budget = None if device_type != "cuda" or cpu_budget is None else max(cpu_budget - host_graphs, 0)
-    floors = {
-        w: memory.smallest_budget(
-            tiles.smallest_tile_bytes(shapes[w], itemsize, device_type, compute_dtype(w)),
-            floor_activations + tiles.extra_activation_bytes(w),
-        )
-        if w in tileable
-        else memory.smallest_budget(b, floor_activations)
-        for w, b in sizes.items()
-    }
-    heaviest = max(floors, key=lambda w: floors[w], default=None)
+    converting = {w for w in tileable if compute_dtype(w) is not None}
+
+    def floor_of(w: fx.Node) -> tuple[int, int]:
+        """The smallest budget ``w`` allows, and the activations beside it there."""
+
+        def beside(acts: int) -> int:
+            if w in tileable:
+                unit = tiles.smallest_tile_bytes(shapes[w], itemsize, device_type, compute_dtype(w))
+                return memory.smallest_budget(unit, acts + tiles.extra_activation_bytes(w))
+            return memory.smallest_budget(sizes[w], acts)
+
+        floor = beside(floor_activations)
+        # the engine tiles a converted weight only where it is too large beside the untiled activations;
+        # where it is not at this budget it streams whole, its converted copy an activation
+        room_untiled = floor - memory.need(activations=activations)
+        if any(sizes[c] <= tiles.too_large_for(room_untiled, device_type) for c in converting):
+            return beside(activations), activations
+        return floor, floor_activations
+
+    floors = {w: floor_of(w) for w in sizes}
+    heaviest = max(floors, key=lambda w: floors[w][0], default=None)
     report = PlanReport(
         model=type(model).__name__,
         weight_bytes=sum(weights.values()),
@@ -252,8 +166,15 @@ def plan_config(
         pieces=[],
         arena_bytes=0,
         resident_bytes_max=0,
-        smallest_budget=floors[heaviest] if heaviest else memory.smallest_budget(0, activations),
-        floor_set_by=_floor_reason(heaviest, heaviest in tileable, sizes, labels, floor_activations, memory),
+        smallest_budget=floors[heaviest][0] if heaviest else memory.smallest_budget(0, activations),
+        floor_set_by=_floor_reason(
+            heaviest,
+            heaviest in tileable,
+            sizes,
+            labels,
+            floors[heaviest][1] if heaviest else activations,
+            memory,
+        ),
         device=device_type,
         blocks_traced=capture.blocks_traced,
         blocks_reused=capture.blocks_reused,
@@ -278,9 +199,12 @@ def plan_config(
         )
         for b in budgets_between(report.smallest_budget, full)
     ]
-    room = memory.room(activations)
-    if room is not None:
-        _tile_for_room(gm, sizes, labels, tileable, room, shapes, itemsize, device_type)
+    room, tiled_room = memory.room(activations), memory.room(floor_activations)
+    rooms = None if room is None or tiled_room is None else (room, tiled_room)
+    if rooms and _tile_for_room(gm, sizes, labels, tileable, rooms, shapes, itemsize, device_type):
+        # as the engine measures the graph it rewrote: tiles' products, no whole converted weight
+        activations = with_kv(activation_peak(gm.graph, set(sizes)))
+        room = memory.room(activations)
     try:
         partition = partition_for_budget(gm.graph, sizes, activations, memory, "auto", labels)
     except BudgetTooSmallError as exc:
@@ -300,15 +224,24 @@ def _tile_for_room(
     sizes: dict[fx.Node, int],
     labels: dict[fx.Node, str],
     tileable: set[fx.Node],
-    room: int,
+    rooms: tuple[int, int],
     shapes: dict[fx.Node, tuple[int, ...]],
     itemsize: int,
     device_type: str,
-) -> None:
-    """Split the weights the engine would split at this room into tiles (as ``tiles.tile_oversized``
-    does), adding their tiles' sizes and names."""
-    oversized = [w for w in tileable if sizes[w] > tiles.too_large_for(room, device_type)]
+) -> bool:
+    """Split the weights the engine would split into tiles (as ``tiles.tile_oversized`` does: those too
+    large beside the untiled activations, ``rooms[0]``, sized beside the tiled ones, ``rooms[1]``), adding
+    their tiles' sizes and names; whether any was split."""
+    untiled, room = rooms
+    oversized = [w for w in tileable if sizes[w] > tiles.too_large_for(untiled, device_type)]
     room -= max(map(tiles.extra_activation_bytes, oversized), default=0)
+    # one not converted that fits whole once the others are tiled streams whole
+    oversized = [
+        w
+        for w in oversized
+        if compute_dtype(w) is not None or sizes[w] > tiles.too_large_for(room, device_type)
+    ]
+    split = False
     for weight in oversized:
         shape, compute = shapes[weight], compute_dtype(weight)
         per_tile = tiles.graph_tile_rows(
@@ -322,6 +255,8 @@ def _tile_for_room(
             sizes[node] = tiles.tile_held_bytes(shape, itemsize, stop - start, device_type, compute)
             labels[node] = f"{labels[weight]}[{start}:{stop}]"
         sizes[weight] = 0 if only_row_lookups(weight) else sizes[weight]
+        split = True
+    return split
 
 
 def _small_tensors(model: torch.nn.Module) -> int:

@@ -5,7 +5,8 @@ vocabulary, a fused projection) is split along its output rows into tiles, each 
 streams like any other; the projection becomes a chain of tile products (``tile_products``), each
 exact in its columns. On the CPU a tile's product is computed with the whole weight's shape until the
 tile alone is seen to round the same (``tile_linear``), so a tile is counted as held twice (its copy in
-the whole-shaped buffer: ``WeightRecord.footprint``). Tiles take their rows in multiples of
+the whole-shaped buffer: ``WeightRecord.footprint``); a tile the model converts to another dtype before
+its projection (``projections``) with its converted copies too. Tiles take their rows in multiples of
 ``ROW_GROUP`` where they can: MKL's kernels take rows in groups, and tiles that start and end on a
 group's edge compute alone as the whole does.
 
@@ -89,7 +90,7 @@ def rows_per_tile(shape: Sequence[int], itemsize: int, target_bytes: int) -> int
 
 def can_tile(weight: fx.Node, shape: Sequence[int]) -> bool:
     """Whether a weight of ``shape`` can stream in tiles: of rows where it is 2-D and every use of it a
-    projection by it or a row lookup; of whole experts where it is a stacked expert weight that only
+    projection by it (or by its conversion to another dtype: ``projections``) or a row lookup; of whole experts where it is a stacked expert weight that only
     grouped products use (``expert_tiles``)."""
     return (len(shape) == 2 and blocking_use(weight) is None) or expert_tiles.can_tile_experts(weight, shape)
 
@@ -138,7 +139,7 @@ def tile_held_bytes(
     bytes; where its projection converts it to ``compute``, its bytes, its converted copy and (on the
     CPU) that copy's in the whole-shaped buffer (``WeightRecord.footprint``)."""
     elements = rows * math.prod(shape[1:])
-    if compute is None or compute.itemsize == itemsize or len(shape) != 2:
+    if compute is None or len(shape) != 2:
         return times_held(device_type, shape) * elements * itemsize
     copies = 2 if copied_to_compute(device_type) else 1
     return elements * (itemsize + copies * compute.itemsize)
@@ -235,9 +236,10 @@ def tile_oversized(
             )
             short.append((memory.smallest_budget(sizes[node], activations), why))
     for node in tileable:
-        if sizes[node] <= too_large_for(room, device_type):
-            # chosen by the room beside the graph's activations untiled; tiled, they leave room for it
-            # whole (a weight converted whole, as Ergo's head, had counted its whole converted copy)
+        if compute_dtype(node) is None and sizes[node] <= too_large_for(room, device_type):
+            # chosen by the room beside the graph's activations untiled; with the others tiled, there is
+            # room for it whole (a weight converted whole, as Ergo's head, counted its whole converted
+            # copy; a converted weight is always tiled, since that room counts it tiled)
             continue
         record = records[facts.names[node]]
         shape, itemsize = record.shape, record.dtype.itemsize
@@ -245,7 +247,7 @@ def tile_oversized(
         # two tiles in flight in the room, else tiles that stream alone (``tile_share``)
         target = tile_target(room, shape, itemsize, device_type, compute)
         per_tile = graph_tile_rows(shape, itemsize, target) or graph_tile_rows(shape, itemsize, 2 * target)
-        if not per_tile and sizes[node] <= room:
+        if not per_tile and sizes[node] <= room and compute is None:
             continue  # its fewest rows (held twice) take more than it whole: it streams whole, alone
         todo.append((node, record, per_tile, compute))
         if not per_tile:

@@ -75,12 +75,15 @@ class WeightStore:
     ) -> WeightRecord:
         """Rows ``start:stop`` of weight ``name`` as a weight of their own, streamed like any other: a
         byte range of the same file, or a view of the same host tensor (``tiles``); ``copied``: copied
-        into a whole-shaped buffer to compute; ``compute_dtype``: converted to it first. Made once (a
-        conversion, once asked for, stays counted)."""
+        into a whole-shaped buffer to compute; ``compute_dtype``: converted to it first. Made once (the
+        widest conversion any graph asks for stays counted)."""
         tile_name = f"{name}[{start}:{stop}]"
-        if tile_name in self.records and compute_dtype is not None:
-            self.records[tile_name].tile_compute_dtype = compute_dtype
-        if tile_name not in self.records:
+        made = self.records.get(tile_name)
+        if made is not None and compute_dtype is not None:
+            counted = made.tile_compute_dtype
+            if counted is None or compute_dtype.itemsize > counted.itemsize:
+                made.tile_compute_dtype = compute_dtype
+        if made is None:
             parent = self.records[name]
             shape = (stop - start, *parent.shape[1:])
             self.records[tile_name] = WeightRecord(

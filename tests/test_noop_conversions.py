@@ -34,6 +34,20 @@ def test_a_conversion_to_another_dtype_is_kept(converted_head, captured_graph) -
     assert not has_noop_conversions(weights)
 
 
+class _CopiedHead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(64, 16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(torch.float32, False, True))  # non_blocking, copy by position
+
+
+def test_a_conversion_that_copies_is_kept(captured_graph) -> None:
+    gm, weights = captured_graph(_CopiedHead(), torch.randn(3, 16))
+    assert not has_noop_conversions(weights) and drop_noop_conversions(gm.graph, weights) == 0
+
+
 @pytest.mark.slow
 def test_ergo_head_streams_in_tiles_at_a_tenth_of_its_weights(tmp_path, checkpoint_config) -> None:
     import transformers

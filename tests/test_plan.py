@@ -172,3 +172,14 @@ def test_a_head_converted_before_its_projection_sets_the_floor_by_its_tiles(chec
     # the whole head converted to fp32 (31 MiB) is not an activation where it streams in tiles
     assert report.tiled_activation_bytes is not None
     assert report.tiled_activation_bytes == report.activation_bytes - 2 * head
+
+
+def test_a_budget_plans_a_converted_head_in_tiles_as_the_floor_does(checkpoint_config):
+    # with a budget, the partition too counts the tiled graph's activations, not the head's fp32 copy
+    import torch
+
+    config = checkpoint_config("ergo-vocab-heavy")
+    config.dtype = torch.bfloat16
+    floor = plan_config(config, device="cpu", seq_len=32).smallest_budget
+    report = plan_config(config, cpu_memory=floor + 2**20, device="cpu", seq_len=32)
+    assert report.error is None and report.smallest_budget == floor

@@ -60,6 +60,11 @@ def test_tiles_converting_their_rows_equal_the_converted_weights_product(per_til
         assert torch.equal(filled, F.linear(x, weight.float()))
 
 
+def test_a_conversion_between_dtypes_of_one_size_is_counted_too() -> None:
+    # bf16 rows computed in fp16: the rows, their fp16 copy and its copy in the buffer, two bytes each
+    assert tiles.tile_held_bytes((32, 8), 2, 32, "cpu", torch.float16) == 32 * 8 * 6
+
+
 def test_a_converted_tile_is_counted_with_its_converted_copies() -> None:
     # bf16 rows converted to fp32: the rows (2 bytes), the converted copy and its copy in the
     # whole-shaped buffer (4 bytes each)
@@ -134,3 +139,29 @@ def test_the_budget_a_refusal_names_for_converting_tiles_is_larger_and_runs(
             fxoffload_hf.restore(model)
     else:
         pytest.fail(f"still refused after following {named}")
+
+
+@pytest.mark.slow
+def test_bf16_ergo_runs_where_its_head_fits_whole_but_not_beside_its_fp32_copy(
+    tmp_path, checkpoint_config
+) -> None:
+    # at 70% of its weights the head (15.6 MiB) fits beside the others, not beside its whole fp32 copy
+    # (31.3 MiB) too: tiled, it runs (skipped as fitting whole, the partition refused it)
+    import transformers
+
+    torch.manual_seed(0)
+    config = checkpoint_config("ergo-vocab-heavy")
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    eager = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    weights = sum(p.numel() * p.element_size() for p in eager.parameters())
+    ids = torch.randint(3, 32000, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = eager(ids).logits
+    model = fxoffload_hf.from_pretrained(
+        tmp_path, offload="fx", cpu_memory=int(weights * 0.7), capture="first-call", dtype=torch.bfloat16
+    )
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, expected)
+    finally:
+        fxoffload_hf.restore(model)

@@ -123,3 +123,13 @@ def test_pages_are_read_ahead_only_where_the_page_cache_keeps_them(three_weights
         assert asked == ([] if drop_cache else [group])
     finally:
         store.close()
+
+
+def test_a_tile_counts_the_widest_conversion_any_graph_asks_for():
+    store = WeightStore(CPU)
+    store.add_host("w", torch.randn(64, 8, dtype=torch.bfloat16))
+    tile = store.add_tile("w", 0, 32, copied=True, compute_dtype=torch.float64)
+    wide = tile.footprint
+    assert store.add_tile("w", 0, 32, copied=True, compute_dtype=torch.float32) is tile
+    assert tile.tile_compute_dtype is torch.float64 and tile.footprint == wide == 32 * 8 * (2 + 8 + 8)
+    store.close()
