@@ -74,10 +74,10 @@ def test_a_converted_tile_is_counted_with_its_converted_copies() -> None:
     assert tiles.tile_held_bytes(shape, 2, 32, "cuda", torch.float32) == 32 * 8 * (2 + 4)
 
 
-@pytest.mark.slow
-def test_bf16_ergo_head_streams_in_converting_tiles_at_a_tenth_of_its_weights(
-    tmp_path, checkpoint_config
-) -> None:
+@pytest.fixture
+def bf16_ergo(tmp_path, checkpoint_config) -> tuple[nn.Module, int, torch.Tensor]:
+    """Ergo of vocabulary 32,000 and width 256 saved in bf16 at ``tmp_path``: Hugging Face's own load of
+    it, its weights' bytes, and a prompt."""
     import transformers
 
     torch.manual_seed(0)
@@ -85,7 +85,12 @@ def test_bf16_ergo_head_streams_in_converting_tiles_at_a_tenth_of_its_weights(
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
     eager = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
     weights = sum(p.numel() * p.element_size() for p in eager.parameters())
-    ids = torch.randint(3, 32000, (1, 12), generator=torch.Generator().manual_seed(0))
+    return eager, weights, torch.randint(3, 32000, (1, 12), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.slow
+def test_bf16_ergo_head_streams_in_converting_tiles_at_a_tenth_of_its_weights(tmp_path, bf16_ergo) -> None:
+    eager, weights, ids = bf16_ergo
     greedy = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
     with torch.no_grad():
         expected = eager.generate(ids, **greedy)
@@ -111,17 +116,10 @@ def test_bf16_ergo_head_streams_in_converting_tiles_at_a_tenth_of_its_weights(
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("counted_graph_state")
-def test_the_budget_a_refusal_names_for_converting_tiles_is_larger_and_runs(
-    tmp_path, checkpoint_config
-) -> None:
+def test_the_budget_a_refusal_names_for_converting_tiles_is_larger_and_runs(tmp_path, bf16_ergo) -> None:
     # a converted tile holds five times its rows: a refusal that counted it as a plain tile (twice) named
     # a budget the next capture refused again, naming a smaller one
-    import transformers
-
-    torch.manual_seed(0)
-    config = checkpoint_config("ergo-vocab-heavy")
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
-    ids = torch.randint(3, 32000, (1, 12), generator=torch.Generator().manual_seed(0))
+    _eager, _weights, ids = bf16_ergo
     budget, named = 4 * 2**20, []
     for _ in range(5):
         model = fxoffload_hf.from_pretrained(
@@ -142,19 +140,10 @@ def test_the_budget_a_refusal_names_for_converting_tiles_is_larger_and_runs(
 
 
 @pytest.mark.slow
-def test_bf16_ergo_runs_where_its_head_fits_whole_but_not_beside_its_fp32_copy(
-    tmp_path, checkpoint_config
-) -> None:
+def test_bf16_ergo_runs_where_its_head_fits_whole_but_not_beside_its_fp32_copy(tmp_path, bf16_ergo) -> None:
     # at 70% of its weights the head (15.6 MiB) fits beside the others, not beside its whole fp32 copy
     # (31.3 MiB) too: tiled, it runs (skipped as fitting whole, the partition refused it)
-    import transformers
-
-    torch.manual_seed(0)
-    config = checkpoint_config("ergo-vocab-heavy")
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
-    eager = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
-    weights = sum(p.numel() * p.element_size() for p in eager.parameters())
-    ids = torch.randint(3, 32000, (1, 12), generator=torch.Generator().manual_seed(0))
+    eager, weights, ids = bf16_ergo
     with torch.no_grad():
         expected = eager(ids).logits
     model = fxoffload_hf.from_pretrained(
