@@ -115,7 +115,10 @@ def plan_config(
     # that only projections and lookups use streams in tiles of rows if it must (``tiles``)
     sizes = {w: 0 if only_row_lookups(w) else b for w, b in weights.items()}
     shapes = {w: tuple(v.shape) for w, v in zip(placeholders, example_inputs, strict=False) if w in weights}
-    itemsize = _dtype_bytes(model)
+    # each weight's own: a model may keep a few in fp32 beside bf16 ones (Ergo's gates and router)
+    itemsizes = {
+        w: v.element_size() for w, v in zip(placeholders, example_inputs, strict=False) if w in weights
+    }
     tileable = {w for w in sizes if sizes[w] and tiles.can_tile(w, shapes[w])}
     # at the floor those stream in tiles, each converting its own rows where the model converts the
     # weight (counted in the tile): the whole converted weight is not an activation there
@@ -140,7 +143,7 @@ def plan_config(
 
         def beside(acts: int) -> int:
             if w in tileable:
-                unit = tiles.smallest_tile_bytes(shapes[w], itemsize, device_type, compute_dtype(w))
+                unit = tiles.smallest_tile_bytes(shapes[w], itemsizes[w], device_type, compute_dtype(w))
                 return memory.smallest_budget(unit, acts + tiles.extra_activation_bytes(w))
             return memory.smallest_budget(sizes[w], acts)
 
@@ -201,7 +204,7 @@ def plan_config(
     ]
     room, tiled_room = memory.room(activations), memory.room(floor_activations)
     rooms = None if room is None or tiled_room is None else (room, tiled_room)
-    if rooms and _tile_for_room(gm, sizes, labels, tileable, rooms, shapes, itemsize, device_type):
+    if rooms and _tile_for_room(gm, sizes, labels, tileable, rooms, shapes, itemsizes, device_type):
         # as the engine measures the graph it rewrote: tiles' products, no whole converted weight
         activations = with_kv(activation_peak(gm.graph, set(sizes)))
         room = memory.room(activations)
@@ -226,7 +229,7 @@ def _tile_for_room(
     tileable: set[fx.Node],
     rooms: tuple[int, int],
     shapes: dict[fx.Node, tuple[int, ...]],
-    itemsize: int,
+    itemsizes: dict[fx.Node, int],
     device_type: str,
 ) -> bool:
     """Split the weights the engine would split into tiles (as ``tiles.tile_oversized`` does: those too
@@ -243,7 +246,7 @@ def _tile_for_room(
     ]
     split = False
     for weight in oversized:
-        shape, compute = shapes[weight], compute_dtype(weight)
+        shape, itemsize, compute = shapes[weight], itemsizes[weight], compute_dtype(weight)
         per_tile = tiles.graph_tile_rows(
             shape, itemsize, tiles.tile_target(room, shape, itemsize, device_type, compute)
         )
@@ -269,7 +272,13 @@ def _small_tensors(model: torch.nn.Module) -> int:
 
 
 def _dtype_bytes(model: torch.nn.Module) -> int:
-    return next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+    """The element size of the dtype most of ``model``'s parameters are in (its cache's): a few may be
+    kept in fp32 beside bf16 ones, and the first parameter may be one of them."""
+    elements: dict[int, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            elements[p.element_size()] = elements.get(p.element_size(), 0) + p.numel()
+    return max(elements, key=lambda size: elements[size], default=4)
 
 
 def _device_type(device: str | None) -> str:

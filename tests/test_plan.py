@@ -167,6 +167,10 @@ def test_a_head_converted_before_its_projection_sets_the_floor_by_its_tiles(chec
     config.dtype = torch.bfloat16
     report = plan_config(config, gpu_memory="1GiB", device="cuda", seq_len=32)
     head = 32000 * 256 * 2
+    # bf16 weights beside fp32 gates: the cache and the tiles in bf16, as most of the weights are
+    from fxoffload_hf.kv_cache import kv_cache_bytes
+
+    assert report.kv_cache_bytes == kv_cache_bytes(config, 1, 32, 2)
     assert "lm_head.weight" in report.floor_set_by and "tiles" in report.floor_set_by
     assert report.smallest_budget < head
     # the whole head converted to fp32 (31 MiB) is not an activation where it streams in tiles
