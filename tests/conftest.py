@@ -195,7 +195,7 @@ def checkpoint_config(arch: str):
             **({"sliding_window": 4} if arch == "lfm3" else {}),
         )  # fmt: skip
     # Kimi's delta attention beside latent attention and routed experts: the coverage sweep's tiny configs
-    if arch in ("kimi_linear", "bailing_hybrid"):
+    if arch in ("kimi_linear", "bailing_hybrid", "olmo_hybrid"):
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
         from harness.shrink import shrink_config
 

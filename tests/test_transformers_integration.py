@@ -257,3 +257,30 @@ def test_weights_at_any_file_alignment_give_the_eager_tokens_one_by_one(
         assert all(torch.equal(a, b) for a, b in zip(got.scores, expected.scores, strict=True))
     finally:
         fxoffload_hf.restore(model)
+
+
+@pytest.mark.usefixtures("default_capture")
+def test_bf16_parameters_a_module_makes_in_fp32_load_in_fp32_as_hugging_face_loads_them(
+    tmp_path, checkpoint_config
+):
+    # OLMo-Hybrid's Gated DeltaNet layers make A_log in fp32 whatever the dtype asked; Hugging Face keeps
+    # it so when it loads in bf16, and eager calls reading it in bf16 gave other logits (0.05 off)
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = checkpoint_config("olmo_hybrid")
+    tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    eager = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    weights = sum(p.numel() * p.element_size() for p in eager.parameters())
+    ids = torch.randint(3, 1000, (1, 12), generator=torch.Generator().manual_seed(0))
+    model = fxoffload_hf.from_pretrained(
+        tmp_path, offload="fx", cpu_memory=weights, dtype=torch.bfloat16
+    )
+    try:
+        kept = {n: p.dtype for n, p in eager.named_parameters() if p.dtype != torch.bfloat16}
+        assert kept and all("A_log" in n for n in kept)
+        assert {n: p.dtype for n, p in model.named_parameters() if n in kept} == kept
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, eager(ids).logits)
+    finally:
+        fxoffload_hf.restore(model)

@@ -8,6 +8,7 @@ model to ``fxoffload_hf.offload`` with each parameter pointing at its bytes in t
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -299,6 +300,7 @@ def _cast_on_meta(model: nn.Module, dtype: torch.dtype) -> None:
     get_plan = getattr(model, "_get_dtype_plan", None)
     plan: dict[str, torch.dtype] = get_plan(dtype) if callable(get_plan) else {}
     keep = [re.compile(rf"(^|\.){re.escape(p)}(\.|$)") for p in plan]
+    own = _dtypes_built_in(model, dtype)
     cast: dict[nn.Parameter, nn.Parameter] = {}  # tied parameters stay one object
     for name, module in model.named_modules(remove_duplicate=False):
         for attr, param in list(module._parameters.items()):
@@ -306,12 +308,30 @@ def _cast_on_meta(model: nn.Module, dtype: torch.dtype) -> None:
                 continue
             if param not in cast:
                 full = f"{name}.{attr}" if name else attr
-                wanted = torch.float32 if any(k.search(full) for k in keep) else dtype
+                wanted = torch.float32 if any(k.search(full) for k in keep) else own.get(full, dtype)
                 cast[param] = (
                     param if param.dtype == wanted else nn.Parameter(param.to(wanted), param.requires_grad)
                 )
             module._parameters[attr] = cast[param]
     model.config.dtype = dtype
+
+
+def _dtypes_built_in(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """Each parameter's dtype in ``model``'s class built for ``dtype`` (on the meta device): Hugging Face
+    loads a checkpoint tensor in the dtype its module gives the parameter where that is not ``dtype``
+    (Gated DeltaNet layers make ``A_log`` in fp32 whatever the dtype asked), and in ``dtype`` elsewhere.
+    Empty where the class cannot be built so (every parameter then takes ``dtype``)."""
+    from_config = getattr(type(model), "_from_config", None)
+    if from_config is None:
+        return {}
+    try:
+        with torch.device("meta"), _quiet("transformers"):
+            built = from_config(copy.deepcopy(model.config), dtype=dtype)
+    except Exception:  # noqa: BLE001 - a class that only builds from its checkpoint: the dtype for all
+        return {}
+    return {
+        name: p.dtype for name, p in built.named_parameters(remove_duplicate=False) if p.is_floating_point()
+    }
 
 
 def _entry_points(model: nn.Module) -> tuple[str, ...]:
