@@ -273,9 +273,7 @@ def test_bf16_parameters_a_module_makes_in_fp32_load_in_fp32_as_hugging_face_loa
     eager = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
     weights = sum(p.numel() * p.element_size() for p in eager.parameters())
     ids = torch.randint(3, 1000, (1, 12), generator=torch.Generator().manual_seed(0))
-    model = fxoffload_hf.from_pretrained(
-        tmp_path, offload="fx", cpu_memory=weights, dtype=torch.bfloat16
-    )
+    model = fxoffload_hf.from_pretrained(tmp_path, offload="fx", cpu_memory=weights, dtype=torch.bfloat16)
     try:
         kept = {n: p.dtype for n, p in eager.named_parameters() if p.dtype != torch.bfloat16}
         assert kept and all("A_log" in n for n in kept)
