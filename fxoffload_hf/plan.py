@@ -136,14 +136,15 @@ def plan_config(
     if device_type == "cuda" and cpu_budget is not None and counts_graph_state():
         host_graphs = 2 * graph_state_bytes(len(gm.graph.nodes))
     host_budget = None if device_type != "cuda" or cpu_budget is None else max(cpu_budget - host_graphs, 0)
-    converting = {w for w in tileable if compute_dtype(w) is not None}
+    computes = {w: compute_dtype(w) for w in tileable}  # read once: each walks the weight's users
+    converting = {w for w, compute in computes.items() if compute is not None}
 
     def floor_of(w: fx.Node) -> tuple[int, int]:
         """The smallest budget ``w`` allows, and the activations beside it there."""
 
         def beside(acts: int) -> int:
             if w in tileable:
-                unit = tiles.smallest_tile_bytes(shapes[w], itemsizes[w], device_type, compute_dtype(w))
+                unit = tiles.smallest_tile_bytes(shapes[w], itemsizes[w], device_type, computes[w])
                 return memory.smallest_budget(unit, acts + tiles.extra_activation_bytes(w))
             return memory.smallest_budget(sizes[w], acts)
 
@@ -204,7 +205,7 @@ def plan_config(
     ]
     room, tiled_room = memory.room(activations), memory.room(floor_activations)
     rooms = None if room is None or tiled_room is None else (room, tiled_room)
-    if rooms and _tile_for_room(gm, sizes, labels, tileable, rooms, shapes, itemsizes, device_type):
+    if rooms and _tile_for_room(gm, sizes, labels, computes, rooms, shapes, itemsizes, device_type):
         # as the engine measures the graph it rewrote: tiles' products, no whole converted weight
         activations = with_kv(activation_peak(gm.graph, set(sizes)))
         room = memory.room(activations)
@@ -226,7 +227,7 @@ def _tile_for_room(
     gm: fx.GraphModule,
     sizes: dict[fx.Node, int],
     labels: dict[fx.Node, str],
-    tileable: set[fx.Node],
+    computes: dict[fx.Node, torch.dtype | None],
     rooms: tuple[int, int],
     shapes: dict[fx.Node, tuple[int, ...]],
     itemsizes: dict[fx.Node, int],
@@ -234,19 +235,18 @@ def _tile_for_room(
 ) -> bool:
     """Split the weights the engine would split into tiles (as ``tiles.tile_oversized`` does: those too
     large beside the untiled activations, ``rooms[0]``, sized beside the tiled ones, ``rooms[1]``), adding
-    their tiles' sizes and names; whether any was split."""
+    their tiles' sizes and names; whether any was split. ``computes``: the weights tiles can serve, each
+    with the dtype its projections convert it to (``projections.compute_dtype``)."""
     untiled, room = rooms
-    oversized = [w for w in tileable if sizes[w] > tiles.too_large_for(untiled, device_type)]
+    oversized = [w for w in computes if sizes[w] > tiles.too_large_for(untiled, device_type)]
     room -= max(map(tiles.extra_activation_bytes, oversized), default=0)
     # one not converted that fits whole once the others are tiled streams whole
     oversized = [
-        w
-        for w in oversized
-        if compute_dtype(w) is not None or sizes[w] > tiles.too_large_for(room, device_type)
+        w for w in oversized if computes[w] is not None or sizes[w] > tiles.too_large_for(room, device_type)
     ]
     split = False
     for weight in oversized:
-        shape, itemsize, compute = shapes[weight], itemsizes[weight], compute_dtype(weight)
+        shape, itemsize, compute = shapes[weight], itemsizes[weight], computes[weight]
         per_tile = tiles.graph_tile_rows(
             shape, itemsize, tiles.tile_target(room, shape, itemsize, device_type, compute)
         )

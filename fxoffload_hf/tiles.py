@@ -236,14 +236,14 @@ def tile_oversized(
             )
             short.append((memory.smallest_budget(sizes[node], activations), why))
     for node in tileable:
-        if compute_dtype(node) is None and sizes[node] <= too_large_for(room, device_type):
+        compute = compute_dtype(node)
+        if compute is None and sizes[node] <= too_large_for(room, device_type):
             # chosen by the room beside the graph's activations untiled; with the others tiled, there is
             # room for it whole (a weight converted whole, as Ergo's head, counted its whole converted
             # copy; a converted weight is always tiled, since that room counts it tiled)
             continue
         record = records[facts.names[node]]
         shape, itemsize = record.shape, record.dtype.itemsize
-        compute = compute_dtype(node)
         # two tiles in flight in the room, else tiles that stream alone (``tile_share``)
         target = tile_target(room, shape, itemsize, device_type, compute)
         per_tile = graph_tile_rows(shape, itemsize, target) or graph_tile_rows(shape, itemsize, 2 * target)
