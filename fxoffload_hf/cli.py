@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import subprocess
@@ -389,5 +390,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
 
 
+def run() -> None:
+    """The ``fxoffload-hf`` command: ``main`` in a process of its own, exiting with its code."""
+    # What is imported by now (torch, dynamo, Transformers: about a million objects) lives as long as the
+    # process; frozen, the collector stops walking it at every full collection of the command's own
+    # objects, which dynamo's tracing triggers often (0.4 s of a 70B plan's 5), and at exit (0.4 s more).
+    gc.freeze()
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
