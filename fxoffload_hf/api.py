@@ -201,7 +201,7 @@ def run_as_block(model: nn.Module, calls: Sequence[Callable[[], T]]) -> list[T]:
 
 def remove_on_restore(model: nn.Module, folder: Path) -> None:
     """Have ``restore`` remove ``folder`` (made for this offloaded model by an integration)."""
-    _state_of(model).undo.append(OwnedFolder(folder))
+    _state_of(model).undo.append(OwnedFolder.of(model, folder))
 
 
 def _state_of(model: nn.Module) -> _OffloadState:

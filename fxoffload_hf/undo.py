@@ -4,6 +4,7 @@ take it back. ``restore`` (or a failed install) undoes them in reverse."""
 from __future__ import annotations
 
 import shutil
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -84,9 +85,15 @@ class AttachedHook:
 
 @dataclass(frozen=True)
 class OwnedFolder:
-    """A folder made for this model (by an integration), removed with it."""
+    """A folder made for a model (by an integration), removed with it: at ``restore``, else when the
+    model is collected or the interpreter exits (a process that never restores its model leaves none)."""
 
     path: Path
+    removal: weakref.finalize
+
+    @classmethod
+    def of(cls, model: nn.Module, path: Path) -> OwnedFolder:
+        return cls(path, weakref.finalize(model, shutil.rmtree, path, True))
 
     def undo(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        self.removal()

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import threading
 import uuid
+import weakref
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +38,10 @@ class WeightStore:
         self.version = 0  # bumped by every change of tier or dtype
         self.records: dict[str, WeightRecord] = {}
         self._tiles: dict[str, list[str]] = {}  # per weight, the names of its tiles (``add_tile``)
-        self._spilled_files: list[Path] = []
+        # files spilled, then our own folder for them: removed at ``close``, else when the store is
+        # collected or the interpreter exits (a process that never restores its model leaves none)
+        self._written: list[Path] = []
+        self._remove_written = weakref.finalize(self, _remove_paths, self._written)
         self._temp_folder: Path | None = None
         # the model's own parameters that share a host tensor's memory: emptied when it is spilled
         self.sharers: dict[str, list[torch.Tensor]] = {}
@@ -135,6 +139,7 @@ class WeightStore:
             return configured
         if self._temp_folder is None:
             self._temp_folder = Path(tempfile.mkdtemp(prefix="fxoffload-"))
+            self._written.append(self._temp_folder)  # after its files: they go first
         return self._temp_folder
 
     def ram_bytes(self) -> int:
@@ -185,7 +190,7 @@ class WeightStore:
             for sharer in self.sharers.pop(name, []):
                 sharer.data = torch.empty(0, dtype=sharer.dtype)
             self._refresh_tiles(name)
-        self._spilled_files.append(final)
+        self._written.insert(0, final)
         return final
 
     def set_dtype(self, name: str, dtype: torch.dtype) -> None:
@@ -353,12 +358,8 @@ class WeightStore:
         for storage in self._registered:
             torch.cuda.cudart().cudaHostUnregister(storage.data_ptr())
         self._registered.clear()
-        for path in self._spilled_files:
-            path.unlink(missing_ok=True)
-        self._spilled_files.clear()
-        if self._temp_folder is not None:
-            shutil.rmtree(self._temp_folder, ignore_errors=True)
-            self._temp_folder = None
+        self._remove_written()
+        self._temp_folder = None
 
 
 class HeldBytes:
@@ -396,3 +397,13 @@ class HeldBytes:
 def as_typed(buffer: torch.Tensor, source: TensorSlice) -> torch.Tensor:
     """View raw bytes in ``buffer`` as the tensor ``source`` describes."""
     return buffer[: source.nbytes].view(source.dtype).view(source.shape)
+
+
+def _remove_paths(paths: list[Path]) -> None:
+    """Remove ``paths`` (files, then folders) where they still are."""
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    paths.clear()

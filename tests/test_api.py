@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -92,3 +97,34 @@ def test_compile_only_algorithms_are_switched_to_the_eager_ones_and_back(tmp_pat
     finally:
         fxoffload_hf.restore(model)
     assert all(m.use_associative_scan for m in mixers) and model.config.use_associative_scan
+
+
+# offloads an in-memory model whose weights must go to disk (spilled to a temporary folder of ours) and
+# loads a checkpoint (``from_pretrained`` makes a folder for Transformers' own offload), then exits
+# without restoring either
+_NEVER_RESTORED = """
+import json, sys
+import fxoffload_hf
+from fxoffload_hf.undo import OwnedFolder
+sys.path.insert(0, sys.argv[1])
+from conftest import MLP
+
+model = fxoffload_hf.offload(MLP().eval(), cpu_memory=600_000, device="cpu")
+spilled = fxoffload_hf.engine_of(model).store.spill_folder(None)
+loaded = fxoffload_hf.from_pretrained(sys.argv[2], device="cpu")
+(owned,) = [u.path for u in loaded._fxoffload_state.undo if isinstance(u, OwnedFolder)]
+print(json.dumps({str(f): sorted(p.name for p in f.iterdir()) for f in (spilled, owned)}))
+"""
+
+
+def test_a_process_that_never_restores_its_models_leaves_no_folder_of_ours(llama_ckpt):
+    folder, _ = llama_ckpt
+    tests = Path(__file__).resolve().parent
+    done = subprocess.run(
+        [sys.executable, "-c", _NEVER_RESTORED, str(tests), str(folder)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    made = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(made) == 2 and any(made.values()), "nothing was spilled: the check checks nothing"
+    assert not [f for f in made if Path(f).exists()], "left behind at exit"
