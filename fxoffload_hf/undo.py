@@ -3,7 +3,7 @@ take it back. ``restore`` (or a failed install) undoes them in reverse."""
 
 from __future__ import annotations
 
-import shutil
+import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fxoffload_hf.weights import WeightStore
+from fxoffload_hf.weights import WeightStore, remove_written
 
 
 class Undo(Protocol):
@@ -93,7 +93,7 @@ class OwnedFolder:
 
     @classmethod
     def of(cls, model: nn.Module, path: Path) -> OwnedFolder:
-        return cls(path, weakref.finalize(model, shutil.rmtree, path, True))
+        return cls(path, weakref.finalize(model, remove_written, [path], os.getpid()))
 
     def undo(self) -> None:
         self.removal()

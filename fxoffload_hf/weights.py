@@ -41,7 +41,7 @@ class WeightStore:
         # files spilled, then our own folder for them: removed at ``close``, else when the store is
         # collected or the interpreter exits (a process that never restores its model leaves none)
         self._written: list[Path] = []
-        self._remove_written = weakref.finalize(self, _remove_paths, self._written)
+        self._remove_written = weakref.finalize(self, remove_written, self._written, os.getpid())
         self._temp_folder: Path | None = None
         # the model's own parameters that share a host tensor's memory: emptied when it is spilled
         self.sharers: dict[str, list[torch.Tensor]] = {}
@@ -399,8 +399,11 @@ def as_typed(buffer: torch.Tensor, source: TensorSlice) -> torch.Tensor:
     return buffer[: source.nbytes].view(source.dtype).view(source.shape)
 
 
-def _remove_paths(paths: list[Path]) -> None:
-    """Remove ``paths`` (files, then folders) where they still are."""
+def remove_written(paths: list[Path], writer: int) -> None:
+    """Remove ``paths`` (files, then folders) where they still are, in the process ``writer`` only: a
+    forked child that exits or lets go of its copy of a model leaves its parent's files alone."""
+    if os.getpid() != writer:
+        return
     for path in paths:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -73,6 +75,21 @@ def test_spill_moves_ram_weights_to_disk_and_empties_their_sharers(tmp_path):
     assert torch.equal(store.read(record), expected)
     store.close()
     assert not list(tmp_path.glob("*.safetensors")), "spilled files outlive the store"
+
+
+def test_a_forked_child_leaves_its_parents_spilled_files_alone(tmp_path):
+    store = WeightStore(CPU)
+    store.add_host("w", torch.randn(32, 4))
+    spilled = store.spill(["w"], tmp_path)
+    assert spilled is not None
+    child = os.fork()
+    if child == 0:  # the child's exit, or its collection of its copy of the store, runs the removal
+        store._remove_written()
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert spilled.exists(), "a child removed the file its parent reads weights from"
+    store.close()
+    assert not spilled.exists()
 
 
 def test_set_dtype_converts_ram_copies_now_and_bumps_the_version():
