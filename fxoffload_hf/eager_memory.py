@@ -8,7 +8,8 @@ queries, keys and values and its MLP's intermediate states; its attention scores
 x keys, in fp32, twice: the scores and their softmax) and masks where the kernel materialises them; the
 KV cache the call ends with, and a copy of its largest layer (a dynamic layer grows by a concatenation,
 both copies held for a moment, one layer at a time); and the output head's logits at the kept positions (in fp32,
-twice: Transformers upcasts them); on the CPU in bf16, a product's scratchpad (oneDNN's, per thread). The bound counts all of it generously: it gates, it does not plan, and
+twice: Transformers upcasts them); on the CPU in bf16, a product's scratchpad (oneDNN's, per thread).
+The bound counts all of it generously: it gates, it does not plan, and
 a bound too high only costs a call the wait for capture. Only where every layer is an attention layer
 whose cache ``kv_cache`` predicts (keys and values per head, or latent attention's latents, expanded to
 every head's keys and values in each layer's call, and in reduced precision copied to fp32) or a
@@ -56,10 +57,9 @@ _SHAPE_FREE = {
     "use_cache",
     "return_dict",
 }
-_TOKEN_INPUTS = ("input_ids", "decoder_input_ids")
-_BF16_SCRATCH_PER_THREAD = (
-    256 * 1024
-)  # ``_product_scratch``  # an encoder-decoder's: both computed in one call
+_TOKEN_INPUTS = ("input_ids", "decoder_input_ids")  # an encoder-decoder's: both computed in one call
+# what a bf16 product on the CPU takes for itself, per thread (``_product_scratch``)
+_BF16_SCRATCH_PER_THREAD = 256 * 1024
 # Transformers 5.25's name for the cache argument, earlier ones', and RWKV's state (five tensors: read
 # only for RWKV, ``linear_attention.own_state_bytes``)
 _CACHES = ("cache", "past_key_values", "state")
@@ -115,8 +115,7 @@ def eager_call_bytes(
         return None
     batch, tokens, decoded = lengths
     keys = past + tokens
-    first = next((p for p in model.parameters() if p.is_floating_point()), None)
-    itemsize = 4 if first is None else first.element_size()
+    itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
     # layers whose cache is not predicted (other scans and recurrences) hold what no config bound sees:
     # a tiny Falcon-H1's eager call held 465 MiB before its Mamba-2 layers had a term (measured)
     cache_layers = predicted_layer_bytes(config, batch, keys, itemsize)
@@ -139,16 +138,17 @@ def eager_call_bytes(
     # the cache the call ends with, and a copy of the layer it extends (a dynamic layer grows by a
     # concatenation: both copies are held for a moment, one layer at a time)
     cache_bytes = sum(cache_layers) + max(cache_layers, default=0) if on_disk is None else on_disk
-    scratch = _product_scratch(first, device_type)
+    scratch = _product_scratch(model, device_type)
     return batch * tokens * per_token + expanded + scores + logits + cache_bytes + linear + scratch
 
 
-def _product_scratch(weight: torch.Tensor | None, device_type: str | None) -> int:
+def _product_scratch(model: nn.Module, device_type: str | None) -> int:
     """What a product of bf16 weights on the CPU takes for itself while it computes: oneDNN's scratchpad,
-    per thread (measured on a CPU with AVX-512 BF16: up to 193 KiB a thread, for shapes from 64 x 64 to
-    16,384 x 4,096 and 1 to 2,048 rows; none in fp32 or fp16; one product at a time)."""
-    on = device_type if device_type is not None else (weight.device.type if weight is not None else None)
-    if weight is None or weight.dtype != torch.bfloat16 or on != "cpu":
+    per thread, one product at a time (measured on an AMD EPYC with AVX-512 BF16 and no AMX: up to 193 KiB
+    a thread, for shapes from 64 x 64 to 16,384 x 4,096 and 1 to 2,048 rows; none there in fp32 or fp16).
+    Where any parameter is bf16: a model may keep its first ones in fp32."""
+    bf16 = next((p for p in model.parameters() if p.dtype is torch.bfloat16), None)
+    if bf16 is None or (device_type or bf16.device.type) != "cpu":
         return 0
     return _BF16_SCRATCH_PER_THREAD * torch.get_num_threads()
 

@@ -135,6 +135,19 @@ def test_the_bound_grows_with_the_batch_and_the_cache(build_model):
     assert later is not None and first is not None and later > first
 
 
+def test_bf16_on_the_cpu_counts_a_products_scratchpad_per_thread(build_model):
+    """oneDNN's bf16 products on the CPU take a scratchpad per thread (none in fp32, none on CUDA): a bf16
+    model whose first parameters are kept in fp32 counts it too."""
+    llama = build_model("llama").to(torch.bfloat16)
+    llama.model.embed_tokens.float()
+    ids = (torch.ones(1, 8, dtype=torch.long),)
+    on_cpu, on_cuda = eager_call_bytes(llama, ids, {}), eager_call_bytes(llama, ids, {}, "cuda")
+    assert on_cpu is not None and on_cuda is not None
+    assert on_cpu - on_cuda == 256 * 1024 * torch.get_num_threads()
+    fp32 = build_model("llama")
+    assert eager_call_bytes(fp32, ids, {}) == eager_call_bytes(fp32, ids, {}, "cuda")
+
+
 def _eager_peak(model: torch.nn.Module, *args, **kwargs) -> int:
     """The most bytes of tensors ``model(*args, **kwargs)`` allocated at once (those alive before it not
     counted), from the CPU allocator's events: copies inside a kernel included."""
