@@ -169,14 +169,13 @@ def repeated_blocks(model: nn.Module) -> Iterator[nn.Module]:
                 yield from group
 
 
-def all_alike(blocks: Iterable[nn.Module]) -> bool:
-    """Whether every one of ``blocks`` is a block with the same class, parameter shapes and flags."""
+def block_kinds(blocks: Iterable[nn.Module]) -> list[tuple[Any, ...]] | None:
+    """The kind of each of ``blocks`` (blocks of one kind have the same class, parameter shapes and
+    flags), or None where one is not a block or has a forward of its own."""
     children = list(blocks)
-    return (
-        bool(children)
-        and all(_is_block(c) and not _has_own_forward(c) for c in children)
-        and len({_signature(c) for c in children}) == 1
-    )
+    if not children or not all(_is_block(c) and not _has_own_forward(c) for c in children):
+        return None
+    return [_signature(c) for c in children]
 
 
 def _has_own_forward(module: nn.Module) -> bool:

@@ -1,8 +1,9 @@
 """The graph ``plan`` partitions: a model captured once on the meta device, with its weights' names.
 
-Shapes propagate through meta tensors, so nothing is allocated and no real compute runs. Where every
-decoder layer is alike, the model built with two layers is captured and its graph deepened
-(``plan_depth``); elsewhere the whole model is captured, its repeated blocks stamped out (``blocks``).
+Shapes propagate through meta tensors, so nothing is allocated and no real compute runs. Where the
+decoder layers repeat a few kinds, the model built with its first few layers is captured and its graph
+deepened (``plan_depth``); elsewhere the whole model is captured, its repeated blocks stamped out
+(``blocks``).
 """
 
 from __future__ import annotations
@@ -71,18 +72,19 @@ def deep(model: torch.nn.Module, ids: torch.Tensor) -> tuple[MetaCapture, dict[i
 def shallow(
     config: Any, model: torch.nn.Module, ids: torch.Tensor
 ) -> tuple[MetaCapture, dict[int, str]] | None:
-    """Where ``model``'s decoder layers are all alike: the model built with two of them, captured, and
-    its graph deepened to ``model``'s depth (``plan_depth``); None where that does not apply."""
+    """Where ``model``'s decoder layers repeat a few kinds: the model built with its first few layers
+    (after the first, every kind of the layers after them), captured, and its graph deepened to ``model``'s depth
+    (``plan_depth``); None where that does not apply."""
     import transformers as tf
 
-    layers = plan_depth.alike_layers(model)
-    shallow = plan_depth.shallow_config(config, plan_depth.TRACED_LAYERS) if layers else None
+    layers = plan_depth.repeated_layers(model)
+    shallow = plan_depth.shallow_config(config, layers.traced) if layers else None
     if layers is None or shallow is None:
         return None
     try:
         with torch.device("meta"):
             small = tf.AutoModelForCausalLM.from_config(shallow).eval()
-        if len(small.get_submodule(layers.path)) != plan_depth.TRACED_LAYERS:
+        if not plan_depth.is_prefix(small.get_submodule(layers.path), layers):
             return None
         tensors = [
             *small.named_parameters(remove_duplicate=False),
@@ -95,5 +97,4 @@ def shallow(
         return None
     if inputs is None:
         return None
-    traced = plan_depth.TRACED_LAYERS
-    return MetaCapture(capture.graph, inputs, traced, layers.depth - traced), names
+    return MetaCapture(capture.graph, inputs, layers.traced, layers.depth - layers.traced), names

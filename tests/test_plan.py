@@ -33,37 +33,103 @@ def test_planning_traces_two_layers_whatever_the_depth(layers):
 
 
 def _small(config_class, **extra):
+    extra = {"num_key_value_heads": 2, **extra}
     return config_class(
-        hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
-        **extra,
+        hidden_size=128, intermediate_size=256, num_attention_heads=4, vocab_size=1000, **extra
     )  # fmt: skip
 
 
+def _moe(config_class, **extra):
+    return _small(config_class, moe_intermediate_size=64, num_experts_per_tok=2, **extra)
+
+
 @pytest.mark.parametrize(
-    "config",
+    ("config", "traced", "gpu_memory"),
     [
-        _small(tf.LlamaConfig, num_hidden_layers=12),
-        _small(tf.MistralConfig, num_hidden_layers=6, sliding_window=16),
-        tf.GPT2Config(n_layer=8, n_head=4, n_embd=128, vocab_size=1000, bos_token_id=0, eos_token_id=0),
+        (_small(tf.LlamaConfig, num_hidden_layers=12), 2, "4MiB"),
+        (_small(tf.MistralConfig, num_hidden_layers=6, sliding_window=16), 2, "4MiB"),
+        (
+            tf.GPT2Config(n_layer=8, n_head=4, n_embd=128, vocab_size=1000, bos_token_id=0, eos_token_id=0),
+            2,
+            "4MiB",
+        ),
         # dynamo's stamped-out regions trace its layers into twice the ops (and activations) of a plain
         # capture, which is what the engine cuts: two layers deepened match the plain capture
-        tf.FalconConfig(hidden_size=128, num_attention_heads=4, num_hidden_layers=5, vocab_size=1000),
-        _small(tf.Gemma2Config, num_hidden_layers=6, head_dim=32),  # layers alternate: captured whole
+        (
+            tf.FalconConfig(hidden_size=128, num_attention_heads=4, num_hidden_layers=5, vocab_size=1000),
+            2,
+            "4MiB",
+        ),
+        # layers of several kinds: sliding and full attention by turns, five to one, or alternating with
+        # experts; dense layers before experts; linear attention three to one
+        (_small(tf.Gemma2Config, num_hidden_layers=6, head_dim=32), 3, "4MiB"),
+        (_small(tf.Gemma3TextConfig, num_hidden_layers=14, head_dim=32, sliding_window=16), 6, "4MiB"),
+        (_small(tf.GptOssConfig, num_hidden_layers=6, head_dim=32, num_local_experts=4), 3, "4MiB"),
+        (
+            _moe(
+                tf.DeepseekV3Config,
+                num_hidden_layers=6,
+                first_k_dense_replace=2,
+                n_routed_experts=4,
+                num_key_value_heads=4,
+                n_group=1,
+                topk_group=1,
+            ),
+            3,
+            "4MiB",
+        ),
+        # three kinds (compressed, heavily compressed and sparse attention; routed by hashes, then learned)
+        pytest.param(
+            tf.DeepseekV4Config(
+                hidden_size=128,
+                num_hidden_layers=7,
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                head_dim=32,
+                qk_rope_head_dim=16,
+                vocab_size=1000,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=64,
+                q_lora_rank=32,
+                o_lora_rank=32,
+                o_groups=2,
+                index_n_heads=4,
+                index_head_dim=16,
+                index_topk=8,
+                sliding_window=16,
+            ),
+            5,
+            "4MiB",
+            marks=pytest.mark.slow,
+        ),  # fmt: skip
+        # (its linear attention holds 20 MiB of activations at this length)
+        (_moe(tf.Qwen3NextConfig, num_hidden_layers=8, head_dim=32, num_experts=4), 4, "40MiB"),
     ],
-    ids=["llama", "mistral", "gpt2", "falcon", "gemma2"],
+    ids=[
+        "llama",
+        "mistral",
+        "gpt2",
+        "falcon",
+        "gemma2",
+        "gemma3",
+        "gpt-oss",
+        "deepseek-v3",
+        "deepseek-v4",
+        "qwen3-next",
+    ],
 )
-def test_a_plan_from_two_layers_equals_the_plan_of_the_whole_capture(config, monkeypatch):
-    """The graph deepened from two captured layers is cut into the pieces the deep model's own plain
-    capture (as the engine captures) is cut into, with the same floor, activations and arena; alternating
-    layers are captured whole, their blocks stamped out by dynamo. (The graph is the same for either
-    device: the CUDA plan of the same graph is checked by the depth test above.)"""
-    device, budget = "cpu", {"cpu_memory": "2MiB"}
+def test_a_plan_from_the_first_layers_equals_the_plan_of_the_whole_capture(
+    config, traced, gpu_memory, monkeypatch
+):
+    """The graph deepened from the first layers captured (each kind of layer at least once after the
+    first) is cut into the pieces the deep model's own plain capture (as the engine captures) is cut
+    into, with the same floor, activations and arena. (Planned for a GPU: on the CPU, the state of the
+    captured graphs sets these tiny models' floors.)"""
+    device, budget = "cuda", {"gpu_memory": gpu_memory}
     shallow = plan_config(config, device=device, seq_len=32, **budget)
     layers = config.num_hidden_layers
-    if isinstance(config, tf.Gemma2Config):
-        assert (shallow.blocks_traced, shallow.blocks_reused) == (1, layers - 1)
-        return
-    assert (shallow.blocks_traced, shallow.blocks_reused) == (2, layers - 2)
+    assert (shallow.blocks_traced, shallow.blocks_reused) == (traced, layers - traced)
     monkeypatch.setattr(plan_capture, "shallow", lambda *args: None)
     monkeypatch.setattr(
         plan_capture, "capture_on_meta", functools.partial(capture_on_meta, stamp_blocks=False)
