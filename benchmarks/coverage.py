@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.children import ChildRun, run_child
-from harness.shrink import DTYPE_VARIABLE, SHAPE_VARIABLE, TINY
+from harness.shrink import BATCH_VARIABLE, DTYPE_VARIABLE, SHAPE_VARIABLE, TINY
 
 HERE = Path(__file__).resolve().parent
 CHILD = HERE / "coverage_child.py"
@@ -190,14 +190,22 @@ def main(argv: list[str] | None = None) -> int:
         help="dtype of every model, saved and loaded so (default float32; checkpoints people download are "
         "mostly bfloat16)",
     )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="prompts a call carries (default 1); from 2, of different lengths, left-padded with their "
+        "attention mask, as a batch of a user's prompts",
+    )
     parser.add_argument("--resume", action="store_true", help="skip pairs already in --out")
     parser.add_argument("--report-only", action="store_true", help="only write the summary of --out")
     parser.add_argument("--table", action="store_true", help="print the markdown summary")
     args = parser.parse_args(argv)
-    if args.jobs < 1:
-        parser.error("--jobs must be at least 1")
+    if args.jobs < 1 or args.batch < 1:
+        parser.error("--jobs and --batch must be at least 1")
     os.environ["FXOFFLOAD_HF_CAPTURE"] = args.capture  # the children's capture mode
     os.environ[DTYPE_VARIABLE] = args.dtype
+    os.environ[BATCH_VARIABLE] = str(args.batch)
     shape = TINY.with_sizes(args.hidden, args.vocab)
     os.environ[SHAPE_VARIABLE] = json.dumps(dataclasses.asdict(shape))  # the children's widths
     from harness.coverage_report import markdown
@@ -220,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         "capture": args.capture,
         **({"shape": dataclasses.asdict(shape)} if shape != TINY else {}),
         **({"dtype": args.dtype} if args.dtype != "float32" else {}),
+        **({"batch": args.batch} if args.batch > 1 else {}),
     }
     text = markdown(latest(rows), header)
     table = args.out.with_suffix(".md")

@@ -12,6 +12,7 @@ and leaves weights on disk, two forwards and a greedy ``generate`` compared with
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.protocol import emit, phase
-from harness.shrink import dtype_from_environment
+from harness.shrink import batch_from_environment, dtype_from_environment
 
 AUTO_CLASSES = {"causal": "AutoModelForCausalLM", "seq2seq": "AutoModelForSeq2SeqLM", "base": "AutoModel"}
 SEQ_LEN, DECODER_LEN, NEW_TOKENS, LOW_ID = 12, 5, 4, 3
@@ -51,7 +52,7 @@ def main(type_name: str, mapping: str, folder: Path, share: float | None = None)
     record["source_digest"] = source_digest()
     try:
         model, config = build(type_name, mapping, auto, record)
-        inputs = make_inputs(config)
+        inputs = make_inputs(config, model)
         try:
             with torch.no_grad():
                 output_of(model(**inputs))
@@ -70,6 +71,8 @@ def main(type_name: str, mapping: str, folder: Path, share: float | None = None)
             else max(int(weights * BUDGET_SHARE), int(2.5 * largest) + 256 * 1024)
         )
         record.update(budget_share=share, dtype=str(dtype_from_environment()).removeprefix("torch."))
+        if batch_from_environment() > 1:
+            record["batch"] = batch_from_environment()
         record.update(check_offloaded(auto, folder, inputs, reference, budget, record))
     except Skip as exc:
         record.update(status="skipped", reason=str(exc), traceback=tail(exc))
@@ -126,17 +129,34 @@ def default_broken(type_name: str, auto: Any) -> str:
     return ""
 
 
-def make_inputs(config: Any) -> dict[str, Any]:
+def make_inputs(config: Any, model: Any) -> dict[str, Any]:
     """Seeded token ids inside the vocabulary (above the usual special ids); decoder ids for
-    encoder-decoders."""
+    encoder-decoders. Where the sweep asks for a batch, its prompts are of different lengths (the longest
+    ``SEQ_LEN``), left-padded with their attention mask, as a user batches prompts for ``generate``."""
     import torch
 
     vocab = _vocab(config)
     gen = torch.Generator().manual_seed(1)
-    inputs = {"input_ids": torch.randint(LOW_ID, vocab, (1, SEQ_LEN), generator=gen)}
+    batch = batch_from_environment()
+    lengths = [max(LOW_ID, SEQ_LEN - SEQ_LEN * i // batch) for i in range(batch)]
+    ids = torch.full((batch, SEQ_LEN), _pad_id(config, vocab), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, SEQ_LEN - length :] = torch.randint(LOW_ID, vocab, (length,), generator=gen)
+        mask[row, SEQ_LEN - length :] = 1
+    inputs = {"input_ids": ids}
+    if batch > 1:
+        if "attention_mask" not in inspect.signature(model.forward).parameters:  # RWKV's, Mamba's base
+            raise Skip("its forward takes no attention mask: prompts of different lengths cannot be batched")
+        inputs["attention_mask"] = mask
     if getattr(config, "is_encoder_decoder", False):
-        inputs["decoder_input_ids"] = torch.randint(LOW_ID, vocab, (1, DECODER_LEN), generator=gen)
+        inputs["decoder_input_ids"] = torch.randint(LOW_ID, vocab, (batch, DECODER_LEN), generator=gen)
     return inputs
+
+
+def _pad_id(config: Any, vocab: int) -> int:
+    pad = getattr(config, "pad_token_id", None)
+    return pad if isinstance(pad, int) and 0 <= pad < vocab else 0
 
 
 def _vocab(config: Any) -> int:
@@ -173,9 +193,8 @@ def greedy(model: Any, inputs: dict[str, Any]) -> Any:
     import torch
 
     ids = inputs["input_ids"]
-    return model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1
-    )
+    mask = inputs.get("attention_mask", torch.ones_like(ids))
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1)
 
 
 def eager_reference(

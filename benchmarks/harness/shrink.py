@@ -49,6 +49,7 @@ class Shape:
 TINY = Shape()
 SHAPE_VARIABLE = "FXOFFLOAD_BENCH_SHAPE"  # a sweep's shape, for its children (``Shape`` as JSON)
 DTYPE_VARIABLE = "FXOFFLOAD_BENCH_DTYPE"  # and its models' dtype (a torch dtype's name; float32 unset)
+BATCH_VARIABLE = "FXOFFLOAD_BENCH_BATCH"  # and its prompts a call (1 unset)
 
 
 def dtype_from_environment() -> Any:
@@ -56,6 +57,11 @@ def dtype_from_environment() -> Any:
     import torch
 
     return getattr(torch, os.environ.get(DTYPE_VARIABLE, "float32"))
+
+
+def batch_from_environment() -> int:
+    """How many prompts of different lengths a sweep's parent asked each call to carry; 1 where unset."""
+    return int(os.environ.get(BATCH_VARIABLE, "1"))
 
 
 def shape_from_environment() -> Shape:
