@@ -95,8 +95,24 @@ def shallow_config(config: Any, layers: int) -> Any | None:
 
 
 def is_prefix(small: nn.Module, layers: Layers) -> bool:
-    """Whether ``small`` (a ``ModuleList``) holds the first ``layers.traced`` layers' kinds, in order."""
-    return isinstance(small, nn.ModuleList) and block_kinds(small) == list(layers.kinds[: layers.traced])
+    """Whether ``small`` (a ``ModuleList``) holds the first ``layers.traced`` layers' kinds, in order,
+    but for what a layer derives from the depth (MiniCPM's scale its residuals by it)."""
+    kinds = block_kinds(small) if isinstance(small, nn.ModuleList) else None
+    return kinds is not None and [_depth_free(k, layers.traced) for k in kinds] == [
+        _depth_free(k, layers.depth) for k in layers.kinds[: layers.traced]
+    ]
+
+
+def _depth_free(kind: tuple[Any, ...], depth: int) -> tuple[Any, ...]:
+    """``kind`` without its real-valued flags, and each whole one that equals the model's depth marked
+    as such: neither changes what a layer computes, only its values."""
+    cls, params, flags = kind
+    marked = tuple(
+        (name, attr, "depth" if type(value) is int and value == depth else value)
+        for name, attr, value in flags
+        if type(value) is not float
+    )
+    return (cls, params, marked)
 
 
 def deepen(
@@ -205,6 +221,8 @@ def _copyable(
         read = {a for n in traced[template] for a in n.all_input_nodes if a not in inside and a in in_layers}
         if not read <= set(handed[template - 1]):
             return False
+    # nothing computed between the layers: a layer may read it, or it may close what a layer opened
+    # (dynamo's vmap nesting in Mamba's and Jamba's: copies of the layer alone would leave it open)
     order = {n: i for i, n in enumerate(graph.nodes)}
     start, end = order[traced[0][0]], order[traced[-1][-1]]
     between = [n for n in graph.nodes if start < order[n] < end and n not in in_layers]

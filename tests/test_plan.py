@@ -78,6 +78,24 @@ def _moe(config_class, **extra):
             3,
             "4MiB",
         ),
+        # one kind, but a residual scale derived from the depth (a shallow model's differs)
+        (
+            tf.MiniCPM3Config(
+                hidden_size=128,
+                intermediate_size=256,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                num_hidden_layers=5,
+                vocab_size=1000,
+                q_lora_rank=32,
+                kv_lora_rank=32,
+                qk_nope_head_dim=16,
+                qk_rope_head_dim=16,
+                v_head_dim=16,
+            ),
+            2,
+            "4MiB",
+        ),  # fmt: skip
         # three kinds (compressed, heavily compressed and sparse attention; routed by hashes, then learned)
         pytest.param(
             tf.DeepseekV4Config(
@@ -115,6 +133,7 @@ def _moe(config_class, **extra):
         "gemma3",
         "gpt-oss",
         "deepseek-v3",
+        "minicpm3",
         "deepseek-v4",
         "qwen3-next",
     ],
