@@ -379,10 +379,12 @@ def warning_facts(seen: list[warnings.WarningMessage]) -> dict[str, Any]:
     fallback = [
         " ".join(str(w.message).split()[:2]) for w in seen if w.category.__name__ == "EagerFallbackWarning"
     ]
+    # generate's micro-batch warning points at the caller's line (stacklevel), not at fxoffload_hf
     ours = {
         f"{w.category.__name__}: {first_line(w.message)}"
         for w in seen
-        if "fxoffload_hf" in (w.filename or "") and w.category.__name__ != "EagerFallbackWarning"
+        if ("fxoffload_hf" in (w.filename or "") or "micro-batch" in str(w.message))
+        and w.category.__name__ != "EagerFallbackWarning"
     }
     return {"eager_fallback": fallback, "warnings": sorted(ours)[:5]}
 
