@@ -129,10 +129,11 @@ def default_broken(type_name: str, auto: Any) -> str:
     return ""
 
 
-def make_inputs(config: Any, model: Any) -> dict[str, Any]:
+def make_inputs(config: Any, model: Any = None) -> dict[str, Any]:
     """Seeded token ids inside the vocabulary (above the usual special ids); decoder ids for
     encoder-decoders. Where the sweep asks for a batch, its prompts are of different lengths (the longest
-    ``SEQ_LEN``), left-padded with their attention mask, as a user batches prompts for ``generate``."""
+    ``SEQ_LEN``), left-padded with their attention mask, as a user batches prompts for ``generate``
+    (``model``, where given, must take the mask)."""
     import torch
 
     vocab = _vocab(config)
@@ -146,7 +147,7 @@ def make_inputs(config: Any, model: Any) -> dict[str, Any]:
         mask[row, SEQ_LEN - length :] = 1
     inputs = {"input_ids": ids}
     if batch > 1:
-        if "attention_mask" not in inspect.signature(model.forward).parameters:  # RWKV's, Mamba's base
+        if model is not None and "attention_mask" not in inspect.signature(model.forward).parameters:
             raise Skip("its forward takes no attention mask: prompts of different lengths cannot be batched")
         inputs["attention_mask"] = mask
     if getattr(config, "is_encoder_decoder", False):
