@@ -96,23 +96,29 @@ def shallow_config(config: Any, layers: int) -> Any | None:
 
 def is_prefix(small: nn.Module, layers: Layers) -> bool:
     """Whether ``small`` (a ``ModuleList``) holds the first ``layers.traced`` layers' kinds, in order,
-    but for what a layer derives from the depth (MiniCPM's scale its residuals by it)."""
+    but for what a layer derives from the depth (MiniCPM's scale their residuals by it)."""
     kinds = block_kinds(small) if isinstance(small, nn.ModuleList) else None
-    return kinds is not None and [_depth_free(k, layers.traced) for k in kinds] == [
-        _depth_free(k, layers.depth) for k in layers.kinds[: layers.traced]
-    ]
-
-
-def _depth_free(kind: tuple[Any, ...], depth: int) -> tuple[Any, ...]:
-    """``kind`` without its real-valued flags, and each whole one that equals the model's depth marked
-    as such: neither changes what a layer computes, only its values."""
-    cls, params, flags = kind
-    marked = tuple(
-        (name, attr, "depth" if type(value) is int and value == depth else value)
-        for name, attr, value in flags
-        if type(value) is not float
+    deep = layers.kinds[: layers.traced]
+    return (
+        kinds is not None
+        and len(kinds) == len(deep)
+        and all(_alike_but_depth(s, d, layers.traced, layers.depth) for s, d in zip(kinds, deep, strict=True))
     )
-    return (cls, params, marked)
+
+
+def _alike_but_depth(shallow: tuple[Any, ...], deep: tuple[Any, ...], traced: int, depth: int) -> bool:
+    """Whether two kinds differ only in real-valued flags or in flags that are each model's depth:
+    neither changes what a layer computes, only its values."""
+    (cls, params, flags), (deep_cls, deep_params, deep_flags) = shallow, deep
+    if cls is not deep_cls or params != deep_params or len(flags) != len(deep_flags):
+        return False
+    for (name, attr, value), (deep_name, deep_attr, deep_value) in zip(flags, deep_flags, strict=True):
+        if (name, attr) != (deep_name, deep_attr):
+            return False
+        real = type(value) is float and type(deep_value) is float
+        if value != deep_value and not real and (value, deep_value) != (traced, depth):
+            return False
+    return True
 
 
 def deepen(
