@@ -73,8 +73,8 @@ def shallow(
     config: Any, model: torch.nn.Module, ids: torch.Tensor
 ) -> tuple[MetaCapture, dict[int, str]] | None:
     """Where ``model``'s decoder layers repeat a few kinds: the model built with its first few layers
-    (after the first, every kind of the layers after them), captured, and its graph deepened to ``model``'s depth
-    (``plan_depth``); None where that does not apply."""
+    (after the first, every kind of the layers after them), captured, and its graph deepened to
+    ``model``'s depth (``plan_depth``); None where that does not apply."""
     import transformers as tf
 
     layers = plan_depth.repeated_layers(model)

@@ -2,16 +2,16 @@
 
 Dynamo traces a repeated block once and stamps out the rest (``blocks``), but each stamp still costs it
 a reuse check (about 0.1 s a layer here: most of a 70B plan), and where the check fails every layer is
-traced. Most models have layers of a few kinds (sliding and full attention, dense and
-mixture-of-experts layers, attention and linear attention); layers of one kind have one class, one parameter layout and the same flags (``blocks.block_kinds``).
-``plan`` builds the same model with its first few layers, as many as hold, after the first layer, every
-kind of the layers after them, captures that, and for each missing layer copies the nodes of the last traced
-layer of its kind in the fx graph (``deepen``), with a weight placeholder of its own for each copy's
-weights, named as the deep model names them; a copy reads what its template read of the layer before
-from the copy before it. The plan partitions that graph as it would the deep model's. Anything
-unexpected (a shallow model whose layers are not the deep model's first ones, a config that cannot
-shrink, traced layers of one kind whose nodes differ, a layer that reads more than the one before it
-gives) yields None, and ``plan`` captures the deep model itself.
+traced. Most models have layers of a few kinds (sliding and full attention, dense and mixture-of-experts
+layers, attention and linear attention); layers of one kind have one class, one parameter layout and the
+same flags (``blocks.block_kinds``). ``plan`` builds the same model with its first few layers, as many as
+hold, after the first layer, every kind of the layers after them, captures that, and for each missing
+layer copies the nodes of the last traced layer of its kind in the fx graph (``deepen``), with a weight
+placeholder of its own for each copy's weights, named as the deep model names them; a copy reads what its
+template read of the layer before from the copy before it. The plan partitions that graph as it would
+the deep model's. Anything unexpected (a shallow model whose layers are not the deep model's first ones,
+a config that cannot shrink, traced layers of one kind whose nodes differ, a layer that reads more than
+the one before it gives) yields None, and ``plan`` captures the deep model itself.
 """
 
 from __future__ import annotations
@@ -130,9 +130,10 @@ def deepen(
     """Copy, for each layer past the traced ones, the nodes of the last traced layer of its kind, until
     ``gm`` (captured with ``layers.traced`` layers) has ``layers.depth``, in place; the example inputs
     with a meta tensor for each new placeholder of a layer's weights and buffers, in the graph's order
-    (``names``, of parameters and buffers, learns theirs). None, with ``gm`` untouched, where the traced
-    layers of one kind do not match one for one, or a layer reads more of the layers than what the one
-    before it hands on."""
+    (``names``, of parameters and buffers, learns theirs). None where the traced layers of one kind do
+    not match one for one, or a layer reads more of the layers than what the one before it hands on:
+    ``gm`` untouched where the checks before copying find it, left part-deepened where a copy reads a
+    storage the copy before it does not hand on (which they rule out); the caller then captures anew."""
     graph = gm.graph
     traced = [_layer_nodes(graph, f"{layers.path}.{k}") for k in range(layers.traced)]
     templates = layers.templates()
@@ -165,9 +166,8 @@ def deepen(
             names[id(fresh)] = f"{layers.path}.{index}.{name[len(prefix) :]}"
             inputs.insert(position, fresh)
             position += 1
-        before = dict(
-            zip(handed[template - 1], newest, strict=True)
-        )  # what the template read of its layer before
+        # what the template read of its layer before, read of the copy before this one
+        before = dict(zip(handed[template - 1], newest, strict=True))
         copies: dict[fx.Node, fx.Node] = {}
 
         def remap(arg: fx.Node) -> fx.Node:
@@ -177,14 +177,14 @@ def deepen(
             with graph.inserting_after(after):
                 after = copies[node] = graph.node_copy(node, remap)
         if not storages.tag_copies(traced[template], copies, handed[template - 1], newest, index):
-            graph.eliminate_dead_code()  # never reached where ``_copyable`` held; kept honest all the same
             return None
         newest = [copies[n] for n in handed[template]]
     # what read the last traced layer now reads the last copy
     storages.tag_following(list(graph.nodes)[list(graph.nodes).index(after) + 1 :], handed[-1], newest)
     final = dict(zip(handed[-1], newest, strict=True))
+    last_layer = set(traced[-1])
     for node in handed[-1]:
-        for user in [u for u in node.users if u in original and u not in set(traced[-1])]:
+        for user in [u for u in node.users if u in original and u not in last_layer]:
             user.replace_input_with(node, final[node])
     graph.lint()
     return inputs

@@ -95,7 +95,7 @@ def _moe(config_class, **extra):
             ),
             2,
             "4MiB",
-        ),  # fmt: skip
+        ),
         # three kinds (compressed, heavily compressed and sparse attention; routed by hashes, then learned)
         pytest.param(
             tf.DeepseekV4Config(
@@ -120,7 +120,7 @@ def _moe(config_class, **extra):
             5,
             "4MiB",
             marks=pytest.mark.slow,
-        ),  # fmt: skip
+        ),
         # (its linear attention holds 20 MiB of activations at this length)
         (_moe(tf.Qwen3NextConfig, num_hidden_layers=8, head_dim=32, num_experts=4), 4, "40MiB"),
     ],
