@@ -7,8 +7,10 @@ A transformer's eager call holds, per token (the encoder's and the decoder's), a
 queries, keys and values and its MLP's intermediate states; its attention scores (batch x heads x queries
 x keys, in fp32, twice: the scores and their softmax) and masks where the kernel materialises them; the
 KV cache the call ends with, and a copy of its largest layer (a dynamic layer grows by a concatenation,
-both copies held for a moment, one layer at a time); and the output head's logits at the kept positions (in fp32,
-twice: Transformers upcasts them); on the CPU in bf16, a product's scratchpad (oneDNN's, per thread).
+both copies held for a moment, one layer at a time); the output head's logits at the kept positions (in fp32,
+twice: Transformers upcasts them), and with labels the loss's log-probabilities of every position; every
+layer's hidden states and attention probabilities where the call (or the config) asks for them back; on
+the CPU in bf16, a product's scratchpad (oneDNN's, per thread).
 The bound counts all of it generously: it gates, it does not plan, and
 a bound too high only costs a call the wait for capture. Only where every layer is an attention layer
 whose cache ``kv_cache`` predicts (keys and values per head, or latent attention's latents, expanded to
@@ -57,6 +59,18 @@ _SHAPE_FREE = {
     "use_cache",
     "return_dict",
 }
+# switches that keep every layer's states to return them (read as the call resolves them: the keyword,
+# else the config's own setting)
+_KEEPING = ("output_hidden_states", "output_attentions")
+# a config's layer counts under the names configs give them (an encoder-decoder's, each side's)
+_LAYER_COUNTS = (
+    "num_hidden_layers",
+    "num_layers",
+    "n_layer",
+    "num_decoder_layers",
+    "encoder_layers",
+    "decoder_layers",
+)
 _TOKEN_INPUTS = ("input_ids", "decoder_input_ids")  # an encoder-decoder's: both computed in one call
 # what a bf16 product on the CPU takes for itself, per thread (``_product_scratch``)
 _BF16_SCRATCH_PER_THREAD = 256 * 1024
@@ -107,7 +121,7 @@ def eager_call_bytes(
         return None
     text = text_config(config)
     hidden, heads, vocab = (_int(text, name) for name in ("hidden_size", "num_attention_heads", "vocab_size"))
-    lengths = _token_lengths(inputs)
+    lengths = _token_lengths(inputs, bool(getattr(config, "is_encoder_decoder", False)))
     cache = next((inputs[n] for n in _CACHES if inputs.get(n) is not None), None)
     # a state of the model's own (RWKV's, xLSTM's): how many positions went through it does not matter
     past = 1 if cache is not None and linear_attention.keeps_own_state(text) else _cached_positions(cache)
@@ -139,7 +153,28 @@ def eager_call_bytes(
     # concatenation: both copies are held for a moment, one layer at a time)
     cache_bytes = sum(cache_layers) + max(cache_layers, default=0) if on_disk is None else on_disk
     scratch = _product_scratch(model, device_type)
-    return batch * tokens * per_token + expanded + scores + logits + cache_bytes + linear + scratch
+    # a loss over the labels: the log-probabilities of every position (fp32, beside the upcast logits)
+    loss = batch * decoded * vocab * 4 if _holds_more(inputs.get("labels")) else 0
+    returned = _returned_states(config, inputs, len(cache_layers), batch * tokens * hidden, scores, itemsize)
+    extra = loss + returned
+    return batch * tokens * per_token + expanded + scores + logits + cache_bytes + linear + scratch + extra
+
+
+def _returned_states(
+    config: Any, inputs: dict[str, Any], cache_layers: int, states: int, scores: int, itemsize: int
+) -> int:
+    """What a call that returns every layer's states keeps (``_KEEPING``): each layer's hidden states
+    (``states`` elements each, and the embeddings'), each layer's attention probabilities (at most
+    ``scores`` bytes each, in the model's dtype: bounded by the fp32 scores')."""
+    text = text_config(config)
+    layers = max(cache_layers, *(_int(c, name) for c in (config, text) for name in _LAYER_COUNTS))
+    kept = {name: inputs.get(name) for name in _KEEPING}
+    for name, value in kept.items():
+        if value is None:
+            kept[name] = bool(getattr(config, name, False) or getattr(text, name, False))
+    hidden = (layers + 1) * states * itemsize if kept["output_hidden_states"] else 0
+    attentions = layers * scores if kept["output_attentions"] else 0
+    return hidden + attentions
 
 
 def _product_scratch(model: nn.Module, device_type: str | None) -> int:
@@ -159,14 +194,25 @@ def _named_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, An
     if len(args) > 1 or (args and "input_ids" in kwargs):
         return None
     inputs = {**kwargs, **({"input_ids": args[0]} if args else {})}
-    counted = _SHAPE_FREE | {*_TOKEN_INPUTS, *_CACHES, "logits_to_keep", "encoder_outputs"}
+    counted = _SHAPE_FREE | {
+        *_TOKEN_INPUTS,
+        *_CACHES,
+        *_KEEPING,
+        "logits_to_keep",
+        "encoder_outputs",
+        "labels",
+    }
     return None if any(_holds_more(v) for k, v in inputs.items() if k not in counted) else inputs
 
 
-def _token_lengths(inputs: dict[str, Any]) -> tuple[int, int, int] | None:
+def _token_lengths(inputs: dict[str, Any], encoder_decoder: bool) -> tuple[int, int, int] | None:
     """Batch, tokens the call computes (the encoder's, held or computed, and the decoder's) and positions
-    it returns logits for; None unless every sequence input is 2-D token ids of one batch."""
+    it returns logits for; None unless every sequence input is 2-D token ids of one batch. An
+    encoder-decoder given labels and no decoder ids decodes the labels shifted."""
     ids = [inputs[name] for name in _TOKEN_INPUTS if inputs.get(name) is not None]
+    labels = inputs.get("labels")
+    if encoder_decoder and inputs.get("decoder_input_ids") is None and isinstance(labels, torch.Tensor):
+        ids.append(labels)
     held = _first_tensor(inputs.get("encoder_outputs"))
     if not ids or any(not isinstance(t, torch.Tensor) or t.dim() != 2 for t in ids):
         return None

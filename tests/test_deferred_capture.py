@@ -128,6 +128,30 @@ def test_by_default_a_short_answer_runs_eagerly_and_exactly(arch, tmp_path, save
         fxoffload_hf.restore(model)
 
 
+def test_an_evaluations_calls_run_eagerly_and_exactly(tmp_path, save_checkpoint, default_capture):
+    """A loss over labels (perplexity) and every layer's hidden states have a bound of their own: under a
+    quarter of a vocabulary-heavy model's weights they run as eager code, each module lent its weights
+    (the head in tiles), bit for bit as eager, with no graph captured for either kind of call."""
+    eager = save_checkpoint("llama-vocab-heavy", tmp_path)
+    generator = torch.Generator().manual_seed(6)
+    ids, labels = (torch.randint(3, 32000, (2, 9), generator=generator) for _ in range(2))
+    with torch.no_grad():
+        expected = eager(ids, labels=labels)
+        states = eager(ids, output_hidden_states=True).hidden_states
+    quarter = sum(p.numel() * p.element_size() for p in eager.parameters()) // 4
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=quarter, device="cpu")
+    engine = fxoffload_hf.engine_of(model)
+    try:
+        with torch.no_grad():
+            got = model(ids, labels=labels)
+            assert torch.equal(got.loss, expected.loss) and torch.equal(got.logits, expected.logits)
+            got_states = model(ids, output_hidden_states=True).hidden_states
+        assert len(got_states) == len(states) and all(map(torch.equal, got_states, states))
+        assert engine.runners == [] and engine.stats.eager_calls == 2
+    finally:
+        fxoffload_hf.restore(model)
+
+
 def test_the_default_capture_mode_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("FXOFFLOAD_HF_CAPTURE", "later")
     with pytest.raises(ValueError, match="FXOFFLOAD_HF_CAPTURE: 'later' is not one of"):

@@ -68,9 +68,8 @@ def test_calls_the_bound_cannot_read_have_none(build_model, checkpoint_config):
     ids = torch.ones(2, 5, dtype=torch.long)
     assert eager_call_bytes(llama, (ids,), {}) == eager_call_bytes(llama, (), {"input_ids": ids})
     assert eager_call_bytes(llama, (ids,), {"use_cache": True, "output_hidden_states": False}) is not None
-    # other inputs than token ids, switches that keep every layer's states, a second positional argument
+    # other inputs than token ids, a second positional argument
     assert eager_call_bytes(llama, (), {"inputs_embeds": torch.ones(2, 5, 128)}) is None
-    assert eager_call_bytes(llama, (ids,), {"output_hidden_states": True}) is None
     assert eager_call_bytes(llama, (ids, ids), {}) is None
     assert eager_call_bytes(llama, (ids[0],), {}) is None  # not a batch of token ids
     assert eager_call_bytes(llama, (ids,), {"state": [torch.zeros(2, 128, 3)]}) is None  # RWKV's name only
@@ -133,6 +132,70 @@ def test_the_bound_grows_with_the_batch_and_the_cache(build_model):
     later = eager_call_bytes(llama, (), {"input_ids": step, "past_key_values": cache})
     first = eager_call_bytes(llama, (step,), {})
     assert later is not None and first is not None and later > first
+
+
+def _vocab_heavy(kind: str, dtype: torch.dtype, attention: str = "sdpa") -> torch.nn.Module:
+    """A model whose output head and its loss outweigh the rest of a call (vocabulary 32,000, hidden 256)."""
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_layer=3, n_head=4, n_embd=256, vocab_size=32000)
+    elif kind == "t5":
+        config = transformers.T5Config(
+            vocab_size=32000,
+            d_model=256,
+            d_ff=512,
+            d_kv=64,
+            num_layers=2,
+            num_heads=4,
+            decoder_start_token_id=0,
+        )
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2,
+        )  # fmt: skip
+    auto = transformers.AutoModelForSeq2SeqLM if kind == "t5" else transformers.AutoModelForCausalLM
+    torch.manual_seed(0)
+    return auto.from_config(config, attn_implementation=attention).eval().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("kind", "attention"), [("llama", "sdpa"), ("llama", "eager"), ("gpt2", "eager"), ("t5", "sdpa")]
+)
+def test_the_bound_covers_a_loss_and_every_layers_states(kind, attention, dtype):
+    """A loss over the labels (an evaluation's perplexity: the log-probabilities of every position beside
+    the upcast logits), every layer's hidden states and attention probabilities kept to be returned: at
+    least what the allocator's peak shows each call hold. An encoder-decoder given labels alone decodes
+    them shifted."""
+    model = _vocab_heavy(kind, dtype, attention)
+    generator = torch.Generator().manual_seed(3)
+    ids, labels = (torch.randint(3, 32000, (3, 40), generator=generator) for _ in range(2))
+    decoder = {"decoder_input_ids": labels[:, :9]} if kind == "t5" else {}  # T5 without labels
+    calls = [
+        {"labels": labels},
+        {"output_hidden_states": True, **decoder},
+        {"labels": labels, "output_hidden_states": True},
+    ]
+    if attention == "eager":
+        calls.append({"output_attentions": True, **decoder})
+    with torch.no_grad():
+        for kwargs in calls:
+            bound = eager_call_bytes(model, (), {"input_ids": ids, **kwargs}, "cpu")
+            assert bound is not None and bound >= _eager_peak(model, input_ids=ids, **kwargs), kwargs
+    plain = eager_call_bytes(model, (), {"input_ids": ids}, "cpu")
+    with_loss = eager_call_bytes(model, (), {"input_ids": ids, "labels": labels}, "cpu")
+    assert plain is not None and with_loss is not None and with_loss > plain
+
+
+def test_a_configs_own_switch_to_keep_every_layers_states_counts_as_the_keyword(build_model):
+    llama = build_model("llama")
+    ids = torch.ones(2, 7, dtype=torch.long)
+    plain = eager_call_bytes(llama, (ids,), {})
+    keyword = eager_call_bytes(llama, (ids,), {"output_hidden_states": True})
+    assert plain is not None and keyword is not None and keyword > plain
+    llama.config.output_hidden_states = True
+    assert eager_call_bytes(llama, (ids,), {}) == keyword
+    assert eager_call_bytes(llama, (ids,), {"output_hidden_states": False}) == plain
 
 
 def test_bf16_on_the_cpu_counts_a_products_scratchpad_per_thread(build_model):
