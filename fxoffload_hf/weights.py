@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from fxoffload_hf import temp_folders
 from fxoffload_hf.mapped_io import MappedFiles, MappedGroup
 from fxoffload_hf.memory_model import format_bytes
 from fxoffload_hf.safetensors_io import TensorSlice, read_header, read_into
@@ -138,7 +139,7 @@ class WeightStore:
         if configured is not None:
             return configured
         if self._temp_folder is None:
-            self._temp_folder = Path(tempfile.mkdtemp(prefix="fxoffload-"))
+            self._temp_folder = temp_folders.make()
             self._written.append(self._temp_folder)  # after its files: they go first
         return self._temp_folder
 

@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +24,7 @@ import transformers
 from torch import nn
 from tqdm.auto import tqdm
 
+from fxoffload_hf import temp_folders
 from fxoffload_hf.api import offload as offload_model
 from fxoffload_hf.api import remove_on_restore
 from fxoffload_hf.folios import drop_small_folios
@@ -104,7 +104,7 @@ def from_pretrained(
     folder = resolve_checkpoint_folder(path)
     shards = validate_checkpoint(folder, allow_pickle=allow_pickle)
     target_dtype = _as_dtype(placement.dtype)
-    work = Path(tempfile.mkdtemp(prefix="fxoffload-hf-"))
+    work = temp_folders.make("fxoffload-hf-")
     model = None
     try:
         cls = auto_class or _default_auto_class(folder, trust_remote_code)
