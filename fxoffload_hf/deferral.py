@@ -133,9 +133,8 @@ class Deferral:
             self._largest_need = max(self._largest_need, need)
             activations = max(need, expected)
             beside = budget - self.memory.need(activations=activations)  # the room for weights
+            self._tile_if_need_be(beside)
             tiles = self.tiles
-            if tiles is not None and self.lending.largest > beside >= tiles.lending_in_tiles(beside).largest:
-                self.lending = tiles.use_tiles(beside)
             room = beside - self.lending.largest
             room_to_keep = budget - self.memory.need(
                 activations=max(self._largest_need, expected), in_flight=self._lent_at_once()
@@ -189,10 +188,10 @@ class Deferral:
             self.in_flight_room = None
             return True
         kept = HeldBytes(self.store, [r for r in self.store.records.values() if r.resident is not None])
+        activations = max(need, expected)
+        self._tile_if_need_be(budget - self.memory.need(activations=activations, resident=kept.total))
         lent = self._lent_at_once()
-        spare = budget - self.memory.need(
-            activations=max(need, expected), resident=kept.total, in_flight=lent
-        )
+        spare = budget - self.memory.need(activations=activations, resident=kept.total, in_flight=lent)
         if spare < 0:
             return False
         self.in_flight_room = lent + spare if self.counts_ram else None
@@ -336,8 +335,18 @@ class Deferral:
         return int(min(self._recent_ops, default=0) * _GRAPH_NODES_PER_OP)
 
     def _graph_capture_seconds(self) -> float:
-        """Capture's estimated cost of one graph (``_CAPTURE_SECONDS_PER_MODULE_CALL`` is for two)."""
-        return self._most_module_calls * _CAPTURE_SECONDS_PER_MODULE_CALL / 2
+        """Capture's estimated cost of one graph (``_CAPTURE_SECONDS_PER_MODULE_CALL`` is for two), from the
+        modules an eager call was lent weights, at most; before any eager call (deferring ended at the
+        first call), from the modules that own the model's weights, which such a call would be lent."""
+        modules = self._most_module_calls or len({r.name.rpartition(".")[0] for r in self.store.weights()})
+        return modules * _CAPTURE_SECONDS_PER_MODULE_CALL / 2
+
+    def _tile_if_need_be(self, beside: int) -> None:
+        """Where the largest module cannot be lent whole in ``beside`` bytes for weights and its projection in
+        tiles can, compute it in tiles sized for them from now on (``Tiles``)."""
+        tiles = self.tiles
+        if tiles is not None and self.lending.largest > beside >= tiles.lending_in_tiles(beside).largest:
+            self.lending = tiles.use_tiles(beside)
 
     def _lent_at_once(self) -> int:
         """What the module lent to an eager call can hold at most (its weights, or their mapped span)."""

@@ -88,10 +88,15 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                 if engine.eager_depth:
                     return _run_eagerly(engine, eager, target, original, args, kwargs)
                 engine.captures.progress.starts()
-                # after deferring ended, only a call no graph serves may run eagerly: the calls graphs
-                # serve (every decode step) are not bounded at all
+                # after deferring ended, only a call no graph serves may run eagerly, outside a block (whose
+                # calls are captured so that each weight is read once for all): the calls graphs serve
+                # (every decode step) are not bounded at all
                 uncaptured = (
-                    not deferral.on and deferral.deferred_capture and graphs and not served(args, kwargs)
+                    not deferral.on
+                    and deferral.deferred_capture
+                    and graphs
+                    and engine.cohort is None
+                    and not served(args, kwargs)
                 )
                 if deferral.on or uncaptured:
                     need = eager_call_bytes(target, args, kwargs)

@@ -222,6 +222,30 @@ def test_a_call_no_graph_serves_runs_eagerly_until_eager_calls_took_what_its_cap
         fxoffload_hf.restore(model)
 
 
+@pytest.mark.parametrize("arch", ["llama", "llama-vocab-heavy"])
+def test_after_a_first_call_captured_for_the_budget_a_call_no_graph_serves_runs_eagerly(
+    arch, tmp_path, save_checkpoint, logits
+):
+    """Deferring ended at the very first call (it did not fit as eager code): a later call no graph serves
+    still runs eagerly while such calls are cheaper than its capture, its cost estimated from the modules
+    that own weights (no eager call measured it), and an output head too large to lend whole beside it is
+    computed in tiles. Llama-vocab-heavy's head is 31 MiB, four times the budget."""
+    eager = save_checkpoint(arch, tmp_path)
+    vocab = eager.config.vocab_size
+    shape, budget = ((4, 40), "2.5MiB") if arch == "llama" else ((3, 24), "14MiB")
+    batch = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(2))
+    short = torch.randint(0, vocab, (1, 9), generator=torch.Generator().manual_seed(1))
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=budget, device="cpu", capture="deferred")
+    engine = fxoffload_hf.engine_of(model)
+    try:
+        assert torch.equal(logits(model, batch), logits(eager, batch))
+        assert engine.stats.eager_calls == 0 and len(engine.runners) == 1 and not engine.deferring
+        assert torch.equal(logits(model, short), logits(eager, short))
+        assert engine.stats.eager_calls == 1 and len(engine.runners) == 1
+    finally:
+        fxoffload_hf.restore(model)
+
+
 def test_a_block_of_calls_is_captured_so_that_each_weight_is_read_once_for_all(tmp_path, save_checkpoint):
     eager = save_checkpoint("llama", tmp_path)
     prompts = [torch.randint(0, 1000, (1, n), generator=torch.Generator().manual_seed(n)) for n in (4, 11)]
