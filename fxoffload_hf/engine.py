@@ -175,23 +175,26 @@ class Engine:
         self.captures.captured(weight_names)
         self.stats.graphs = len(self.runners)
         self._swap(plan)
-        self._report_capture(gm, facts.weight_bytes, program.pieces, received)
+        self._report_capture(gm, [facts.names[w] for w in facts.weight_bytes], program.pieces, received)
         weights = set(facts.weight_bytes)
         activations = activation_model(gm, weights, facts.activation_bytes)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         own = set(call_inputs(gm.graph, weights))
         return GraphEntry(self, runner, activations, tuple(i for i, n in enumerate(placeholders) if n in own))
 
-    def _report_capture(
-        self, gm: fx.GraphModule, weights: dict[fx.Node, int], pieces: int, received: float
-    ) -> None:
+    def _report_capture(self, gm: fx.GraphModule, names: list[str], pieces: int, received: float) -> None:
+        """Log a graph captured: its size, and the model's weights it uses (``names``: a tile is its
+        weight's, counted once)."""
+        records = self.store.records
+        weights = {records[n].tile_of or n if n in records else n for n in names}
+        stored = sum(records[n].nbytes for n in weights if n in records)
         report(
             "graph %d captured %.1f s into the call: %d ops, %d weights (%s); cut into %d pieces in %.1f s",
             len(self.runners),
             received - self.call_started,
             len(gm.graph.nodes),
             len(weights),
-            format_bytes(sum(weights.values())),
+            format_bytes(stored),
             pieces,
             time.perf_counter() - received,
         )
