@@ -57,6 +57,7 @@ _masks_by_value = False  # while inside: masks are tested by their values, as ea
 _lock = threading.Lock()
 _users = 0
 _originals: dict[tuple[str, str], Callable[..., bool]] = {}  # (module, function name) -> Transformers' own
+_ours: dict[tuple[str, str], Callable[..., bool]] = {}  # (module, function name) -> our replacement there
 
 
 @contextmanager
@@ -98,22 +99,27 @@ def _replacements() -> Iterator[tuple[str, str, Callable[[Callable[..., bool]], 
 
 
 def _replace() -> None:
+    """Put each replacement in place, where it is not: also where something else was put there since
+    (a test's or another library's patch, which the replacement then asks in turn)."""
     for name, attr, replacement in _replacements():
-        if (name, attr) in _originals:
-            continue
         module = sys.modules.get(name)  # not imported: no model of it in this process, nothing to do
-        original = getattr(module, attr, None)
-        if module is not None and callable(original):
-            _originals[name, attr] = original
-            setattr(module, attr, replacement(original))
+        current = getattr(module, attr, None)
+        if module is None or not callable(current) or current is _ours.get((name, attr)):
+            continue
+        _originals[name, attr] = current
+        _ours[name, attr] = replacement(current)
+        setattr(module, attr, _ours[name, attr])
 
 
 def _put_back() -> None:
+    """Put back what each replacement replaced, where it is still in place (a patch put there since
+    stays)."""
     for (name, attr), original in _originals.items():
         module = sys.modules.get(name)
-        if module is not None:
+        if module is not None and getattr(module, attr, None) is _ours[name, attr]:
             setattr(module, attr, original)
     _originals.clear()
+    _ours.clear()
 
 
 def _eager_inside(original: Callable[..., bool]) -> Callable[..., bool]:

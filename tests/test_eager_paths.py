@@ -67,9 +67,11 @@ def test_no_causal_mask_is_built_where_eager_builds_none_even_if_dynamo_says_exp
 ):
     """Before torch 2.14 dynamo traces ``torch.compiler.is_exporting()`` as True, and Transformers then
     builds an explicit causal mask under capture where eager sets SDPA's ``is_causal`` (other rounding on
-    CUDA). Simulated here: an offloaded call still takes eager's way."""
+    CUDA). Simulated here: an offloaded call still takes eager's way, also where another model was offloaded
+    before the function was patched (the replacement then in place is put there again, asking the patch)."""
     from transformers import masking_utils
 
+    before = fxoffload_hf.offload(torch.nn.Linear(64, 64), cpu_memory="1MiB", device="cpu")
     monkeypatch.setattr(masking_utils, "is_torchdynamo_exporting", torch.compiler.is_compiling)
     folder = tmp_path / "llama"
     shutil.copytree(llama_master[0], folder)
@@ -81,4 +83,6 @@ def test_no_causal_mask_is_built_where_eager_builds_none_even_if_dynamo_says_exp
         calls = sdpa_calls(model)
     finally:
         fxoffload_hf.restore(model)
+        fxoffload_hf.restore(before)
+    assert masking_utils.is_torchdynamo_exporting is torch.compiler.is_compiling  # the patch stays
     assert calls and all(call.get("attn_mask") is None and call.get("is_causal") is True for call in calls)
