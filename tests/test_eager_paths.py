@@ -72,17 +72,25 @@ def test_no_causal_mask_is_built_where_eager_builds_none_even_if_dynamo_says_exp
     from transformers import masking_utils
 
     before = fxoffload_hf.offload(torch.nn.Linear(64, 64), cpu_memory="1MiB", device="cpu")
-    monkeypatch.setattr(masking_utils, "is_torchdynamo_exporting", torch.compiler.is_compiling)
-    folder = tmp_path / "llama"
-    shutil.copytree(llama_master[0], folder)
-    ids = torch.randint(2, 1000, (1, 9), generator=torch.Generator().manual_seed(5))
-    model = fxoffload_hf.from_pretrained(folder, cpu_memory=BUDGET, device="cpu")
     try:
-        with torch.no_grad():
-            assert torch.equal(model(ids).logits, llama_master[1](ids).logits)
-        calls = sdpa_calls(model)
+        monkeypatch.setattr(masking_utils, "is_torchdynamo_exporting", torch.compiler.is_compiling)
+        folder = tmp_path / "llama"
+        shutil.copytree(llama_master[0], folder)
+        ids = torch.randint(2, 1000, (1, 9), generator=torch.Generator().manual_seed(5))
+        model = fxoffload_hf.from_pretrained(folder, cpu_memory=BUDGET, device="cpu")
+        try:
+            with torch.no_grad():
+                assert torch.equal(model(ids).logits, llama_master[1](ids).logits)
+            calls = sdpa_calls(model)
+        finally:
+            fxoffload_hf.restore(model)
+        assert calls and all(
+            call.get("attn_mask") is None and call.get("is_causal") is True for call in calls
+        )
+        # the patch stays: asked by the replacement while a model is offloaded
+        in_place = masking_utils.is_torchdynamo_exporting
+        assert getattr(in_place, "__wrapped__", in_place) is torch.compiler.is_compiling
     finally:
-        fxoffload_hf.restore(model)
         fxoffload_hf.restore(before)
-    assert masking_utils.is_torchdynamo_exporting is torch.compiler.is_compiling  # the patch stays
-    assert calls and all(call.get("attn_mask") is None and call.get("is_causal") is True for call in calls)
+    # and in place once none is (a model of another test on this worker may still be offloaded)
+    assert masking_utils.is_torchdynamo_exporting is torch.compiler.is_compiling or eager_paths._users
