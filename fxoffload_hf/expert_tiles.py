@@ -115,7 +115,6 @@ def split_experts(
         graph.erase_node(product)
     for user in [u for u in weight.users if not u.users]:
         graph.erase_node(user)  # the transposes the products read
-    gm.recompile()
     return tiles
 
 

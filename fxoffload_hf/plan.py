@@ -259,6 +259,8 @@ def _tile_for_room(
             labels[node] = f"{labels[weight]}[{start}:{stop}]"
         sizes[weight] = 0 if only_row_lookups(weight) else sizes[weight]
         split = True
+    if split:
+        gm.recompile()
     return split
 
 

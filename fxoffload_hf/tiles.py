@@ -280,6 +280,7 @@ def tile_oversized(
             copied = on_cpu and len(record.shape) == 2
             tile = store.add_tile(record.name, start, stop, copied=copied, compute_dtype=compute)
             ghosts.append(ghost_for(store, tile, store.device))
+    gm.recompile()
     report("too large to stream beside another piece, split into tiles: %s", ", ".join(tiled))
     return gm, ghosts
 
@@ -300,7 +301,8 @@ def split(
 ) -> list[tuple[int, int, fx.Node]]:
     """Split ``weight`` of ``gm`` into tiles of ``ranges``: a stacked expert weight by experts
     (``expert_tiles``), else by rows (``split_projections``). Each tile's (first, one past the last,
-    placeholder)."""
+    placeholder). Only the graph is rewritten: recompile ``gm`` once every weight is split (its code,
+    generated for the whole graph, took seconds a weight for a model of a few thousand ops)."""
     if len(traced_value(weight).shape) == 3:
         return expert_tiles.split_experts(gm, weight, ranges)
     return list(split_projections(gm, weight, ranges, op).tiles)
@@ -348,7 +350,6 @@ def split_projections(
         graph.erase_node(user)
     for conversion in [u for u in weight.users if not u.users and conversion_of(u, weight) is not None]:
         graph.erase_node(conversion)  # its projections read the tiles now
-    gm.recompile()
     return Tiling(weight, tuple(tiles))
 
 
