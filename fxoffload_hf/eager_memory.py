@@ -155,18 +155,20 @@ def eager_call_bytes(
     scratch = _product_scratch(model, device_type)
     # a loss over the labels: the log-probabilities of every position (fp32, beside the upcast logits)
     loss = batch * decoded * vocab * 4 if _holds_more(inputs.get("labels")) else 0
-    returned = _returned_states(config, inputs, len(cache_layers), batch * tokens * hidden, scores, itemsize)
+    returned = _returned_states(
+        config, text, inputs, len(cache_layers), batch * tokens * hidden, scores, itemsize
+    )
     extra = loss + returned
     return batch * tokens * per_token + expanded + scores + logits + cache_bytes + linear + scratch + extra
 
 
 def _returned_states(
-    config: Any, inputs: dict[str, Any], cache_layers: int, states: int, scores: int, itemsize: int
+    config: Any, text: Any, inputs: dict[str, Any], cache_layers: int, states: int, scores: int, itemsize: int
 ) -> int:
-    """What a call that returns every layer's states keeps (``_KEEPING``): each layer's hidden states
-    (``states`` elements each, and the embeddings'), each layer's attention probabilities (at most
-    ``scores`` bytes each, in the model's dtype: bounded by the fp32 scores')."""
-    text = text_config(config)
+    """What a call that returns every layer's states keeps (``_KEEPING``, asked by the call, else by
+    ``config`` or its text config ``text``): each layer's hidden states (``states`` elements each, and the
+    embeddings'), each layer's attention probabilities (at most ``scores`` bytes each, in the model's
+    dtype: bounded by the fp32 scores')."""
     layers = max(cache_layers, *(_int(c, name) for c in (config, text) for name in _LAYER_COUNTS))
     kept = {name: inputs.get(name) for name in _KEEPING}
     for name, value in kept.items():

@@ -56,8 +56,8 @@ _inside = False
 _masks_by_value = False  # while inside: masks are tested by their values, as eager tests them (CUDA)
 _lock = threading.Lock()
 _users = 0
-_originals: dict[tuple[str, str], Callable[..., bool]] = {}  # (module, function name) -> Transformers' own
-_ours: dict[tuple[str, str], Callable[..., bool]] = {}  # (module, function name) -> our replacement there
+# (module, function name) -> what was there before (Transformers' own, or a patch), and our replacement
+_replaced: dict[tuple[str, str], tuple[Callable[..., bool], Callable[..., bool]]] = {}
 
 
 @contextmanager
@@ -103,23 +103,22 @@ def _replace() -> None:
     (a test's or another library's patch, which the replacement then asks in turn)."""
     for name, attr, replacement in _replacements():
         module = sys.modules.get(name)  # not imported: no model of it in this process, nothing to do
-        current = getattr(module, attr, None)
-        if module is None or not callable(current) or current is _ours.get((name, attr)):
+        current, placed = getattr(module, attr, None), _replaced.get((name, attr))
+        if module is None or not callable(current) or (placed is not None and current is placed[1]):
             continue
-        _originals[name, attr] = current
-        _ours[name, attr] = replacement(current)
-        setattr(module, attr, _ours[name, attr])
+        ours = replacement(current)
+        _replaced[name, attr] = (current, ours)
+        setattr(module, attr, ours)
 
 
 def _put_back() -> None:
     """Put back what each replacement replaced, where it is still in place (a patch put there since
     stays)."""
-    for (name, attr), original in _originals.items():
+    for (name, attr), (original, ours) in _replaced.items():
         module = sys.modules.get(name)
-        if module is not None and getattr(module, attr, None) is _ours[name, attr]:
+        if module is not None and getattr(module, attr, None) is ours:
             setattr(module, attr, original)
-    _originals.clear()
-    _ours.clear()
+    _replaced.clear()
 
 
 def _eager_inside(original: Callable[..., bool]) -> Callable[..., bool]:

@@ -186,7 +186,7 @@ class Engine:
         """Log a graph captured: its size, and the model's weights it uses (``names``: a tile is its
         weight's, counted once)."""
         records = self.store.records
-        weights = {records[n].tile_of or n if n in records else n for n in names}
+        weights = {(records[n].tile_of or n) if n in records else n for n in names}
         stored = sum(records[n].nbytes for n in weights if n in records)
         report(
             "graph %d captured %.1f s into the call: %d ops, %d weights (%s); cut into %d pieces in %.1f s",

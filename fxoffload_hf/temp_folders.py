@@ -43,10 +43,11 @@ def remove_stale(root: Path | None = None) -> list[Path]:
     """Remove the folders of ours in ``root`` (the temporary directory) whose process no longer runs; the
     folders removed."""
     root = Path(tempfile.gettempdir()) if root is None else root
+    me = _this_process()
     removed = []
     for folder in root.glob(f"{PREFIX}*"):
         owner = _owner(folder)
-        if owner is None or _may_run(owner):
+        if owner is None or _may_run(owner, me):
             continue
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)
@@ -88,9 +89,9 @@ def _owner(folder: Path) -> dict[str, Any] | None:
     return owner if isinstance(owner, dict) else None
 
 
-def _may_run(owner: dict[str, Any]) -> bool:
-    """Whether the process ``owner`` describes may still run (where this process cannot tell, it may)."""
-    me = _this_process()
+def _may_run(owner: dict[str, Any], me: dict[str, Any]) -> bool:
+    """Whether the process ``owner`` describes may still run, as this process (``me``) sees it (where it
+    cannot tell, it may)."""
     if owner.get("host") != me["host"] or owner.get("pid_namespace") != me["pid_namespace"]:
         return True
     pid, started, boot = owner.get("pid"), owner.get("started"), owner.get("boot")

@@ -134,11 +134,10 @@ def test_the_bound_grows_with_the_batch_and_the_cache(build_model):
     assert later is not None and first is not None and later > first
 
 
-def _vocab_heavy(kind: str, dtype: torch.dtype, attention: str = "sdpa") -> torch.nn.Module:
-    """A model whose output head and its loss outweigh the rest of a call (vocabulary 32,000, hidden 256)."""
-    if kind == "gpt2":
-        config = transformers.GPT2Config(n_layer=3, n_head=4, n_embd=256, vocab_size=32000)
-    elif kind == "t5":
+def _vocab_heavy(kind: str, dtype: torch.dtype, attention: str, checkpoint_config) -> torch.nn.Module:
+    """A model whose output head and its loss outweigh the rest of a call (vocabulary 32,000, hidden 256):
+    the suite's vocabulary-heavy Llama and GPT-2, and a T5 of that shape."""
+    if kind == "t5":
         config = transformers.T5Config(
             vocab_size=32000,
             d_model=256,
@@ -149,10 +148,7 @@ def _vocab_heavy(kind: str, dtype: torch.dtype, attention: str = "sdpa") -> torc
             decoder_start_token_id=0,
         )
     else:
-        config = transformers.LlamaConfig(
-            vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2,
-        )  # fmt: skip
+        config = checkpoint_config(f"{kind}-vocab-heavy")
     auto = transformers.AutoModelForSeq2SeqLM if kind == "t5" else transformers.AutoModelForCausalLM
     torch.manual_seed(0)
     return auto.from_config(config, attn_implementation=attention).eval().to(dtype)
@@ -162,12 +158,12 @@ def _vocab_heavy(kind: str, dtype: torch.dtype, attention: str = "sdpa") -> torc
 @pytest.mark.parametrize(
     ("kind", "attention"), [("llama", "sdpa"), ("llama", "eager"), ("gpt2", "eager"), ("t5", "sdpa")]
 )
-def test_the_bound_covers_a_loss_and_every_layers_states(kind, attention, dtype):
+def test_the_bound_covers_a_loss_and_every_layers_states(kind, attention, dtype, checkpoint_config):
     """A loss over the labels (an evaluation's perplexity: the log-probabilities of every position beside
     the upcast logits), every layer's hidden states and attention probabilities kept to be returned: at
     least what the allocator's peak shows each call hold. An encoder-decoder given labels alone decodes
     them shifted."""
-    model = _vocab_heavy(kind, dtype, attention)
+    model = _vocab_heavy(kind, dtype, attention, checkpoint_config)
     generator = torch.Generator().manual_seed(3)
     ids, labels = (torch.randint(3, 32000, (3, 40), generator=generator) for _ in range(2))
     decoder = {"decoder_input_ids": labels[:, :9]} if kind == "t5" else {}  # T5 without labels
