@@ -9,7 +9,8 @@ x keys, in fp32, twice: the scores and their softmax) and masks where the kernel
 KV cache the call ends with, and a copy of its largest layer (a dynamic layer grows by a concatenation,
 both copies held for a moment, one layer at a time); the output head's logits at the kept positions (in fp32,
 twice: Transformers upcasts them), and with labels the loss's log-probabilities of every position; every
-layer's hidden states and attention probabilities where the call (or the config) asks for them back; on
+layer's hidden states and attention probabilities, and a mixture of experts' router logits, where the call
+(or the config) asks for them back; on
 the CPU in bf16, a product's scratchpad (oneDNN's, per thread).
 The bound counts all of it generously: it gates, it does not plan, and
 a bound too high only costs a call the wait for capture. Only where every layer is an attention layer
@@ -20,12 +21,13 @@ delta attention, short convolutions, Lightning attention): other scans and recur
 config bound sees.
 
 Routed experts add, per token and expert it is routed to, the token's states and its expert's
-intermediate states, and the router's logits over all experts; only where their eager code
+intermediate states, and the router's logits over all experts (every layer's, and their auxiliary
+loss's work, where the call returns them); only where their eager code
 computes on views of the stacked expert weights: Transformers' experts modules with the ``eager`` or
 ``grouped_mm`` implementation on the CPU (measured: ``batched_mm`` gathers a copy of an expert's weights
 for every routed token), and Llama 4's own, which runs every token through every expert. A call it
-cannot read (no config, inputs other than token ids, layers other than those, experts outside those) has
-no bound, and is captured.
+cannot read (no config, inputs other than token ids or their embeddings, layers other than those, experts
+outside those) has no bound, and is captured.
 """
 
 from __future__ import annotations
@@ -71,7 +73,10 @@ _LAYER_COUNTS = (
     "encoder_layers",
     "decoder_layers",
 )
-_TOKEN_INPUTS = ("input_ids", "decoder_input_ids")  # an encoder-decoder's: both computed in one call
+# each side's tokens as ids (2-D) or as their embeddings (3-D), the encoder's first: an encoder-decoder's
+# are both computed in one call
+_SEQUENCES = (("input_ids", 2), ("inputs_embeds", 3), ("decoder_input_ids", 2), ("decoder_inputs_embeds", 3))
+_DECODER_SEQUENCES = ("decoder_input_ids", "decoder_inputs_embeds")
 # what a bf16 product on the CPU takes for itself, per thread (``_product_scratch``)
 _BF16_SCRATCH_PER_THREAD = 256 * 1024
 # Transformers 5.25's name for the cache argument, earlier ones', and RWKV's state (five tensors: read
@@ -121,7 +126,7 @@ def eager_call_bytes(
         return None
     text = text_config(config)
     hidden, heads, vocab = (_int(text, name) for name in ("hidden_size", "num_attention_heads", "vocab_size"))
-    lengths = _token_lengths(inputs, bool(getattr(config, "is_encoder_decoder", False)))
+    lengths = _sequence_lengths(inputs, bool(getattr(config, "is_encoder_decoder", False)))
     cache = next((inputs[n] for n in _CACHES if inputs.get(n) is not None), None)
     # a state of the model's own (RWKV's, xLSTM's): how many positions went through it does not matter
     past = 1 if cache is not None and linear_attention.keeps_own_state(text) else _cached_positions(cache)
@@ -155,28 +160,44 @@ def eager_call_bytes(
     scratch = _product_scratch(model, device_type)
     # a loss over the labels: the log-probabilities of every position (fp32, beside the upcast logits)
     loss = batch * decoded * vocab * 4 if _holds_more(inputs.get("labels")) else 0
-    returned = _returned_states(
-        config, text, inputs, len(cache_layers), batch * tokens * hidden, scores, itemsize
-    )
-    extra = loss + returned
+    layers = max(len(cache_layers), *(_int(c, name) for c in (config, text) for name in _LAYER_COUNTS))
+    returned = _returned_states(config, text, inputs, layers, batch * tokens * hidden, scores, itemsize)
+    router = _router_logits_bytes(config, text, inputs, layers, batch * tokens) if routed else 0
+    extra = loss + returned + router
     return batch * tokens * per_token + expanded + scores + logits + cache_bytes + linear + scratch + extra
 
 
 def _returned_states(
-    config: Any, text: Any, inputs: dict[str, Any], cache_layers: int, states: int, scores: int, itemsize: int
+    config: Any, text: Any, inputs: dict[str, Any], layers: int, states: int, scores: int, itemsize: int
 ) -> int:
-    """What a call that returns every layer's states keeps (``_KEEPING``, asked by the call, else by
-    ``config`` or its text config ``text``): each layer's hidden states (``states`` elements each, and the
-    embeddings'), each layer's attention probabilities (at most ``scores`` bytes each, in the model's
-    dtype: bounded by the fp32 scores')."""
-    layers = max(cache_layers, *(_int(c, name) for c in (config, text) for name in _LAYER_COUNTS))
-    kept = {name: inputs.get(name) for name in _KEEPING}
-    for name, value in kept.items():
-        if value is None:
-            kept[name] = bool(getattr(config, name, False) or getattr(text, name, False))
-    hidden = (layers + 1) * states * itemsize if kept["output_hidden_states"] else 0
-    attentions = layers * scores if kept["output_attentions"] else 0
+    """What a call that returns every layer's states keeps (``_KEEPING``): each of ``layers`` layers'
+    hidden states (``states`` elements each, and the embeddings'), each layer's attention probabilities (at
+    most ``scores`` bytes each, in the model's dtype: bounded by the fp32 scores')."""
+    hidden = (layers + 1) * states * itemsize if _asked(config, text, inputs, "output_hidden_states") else 0
+    attentions = layers * scores if _asked(config, text, inputs, "output_attentions") else 0
     return hidden + attentions
+
+
+def _router_logits_bytes(config: Any, text: Any, inputs: dict[str, Any], layers: int, tokens: int) -> int:
+    """What a mixture of experts' call that returns its router logits (``output_router_logits``) holds for
+    them over ``tokens`` tokens: every layer's logits, and their auxiliary loss's work, generously (Switch's
+    and NLLB-MoE's loss one-hot encode every layer's choices as int64; the others' go layer by layer: a
+    softmax, the choices and the padding's weights)."""
+    if not _asked(config, text, inputs, "output_router_logits"):
+        return 0
+    experts = max(_int(text, name) for name in _EXPERT_COUNTS)
+    chosen = max((_int(text, name) for name in _EXPERTS_PER_TOKEN), default=0) or experts
+    per_layer = experts * (4 + 8 + 4) + chosen * 16
+    return tokens * (layers * per_layer + 3 * experts * 4)
+
+
+def _asked(config: Any, text: Any, inputs: dict[str, Any], name: str) -> bool:
+    """Whether the call asks for ``name`` back: its keyword, else ``config``'s or its text config's own
+    setting (Transformers' resolution)."""
+    value = inputs.get(name)
+    if value is None:
+        return bool(getattr(config, name, False) or getattr(text, name, False))
+    return bool(value)
 
 
 def _product_scratch(model: nn.Module, device_type: str | None) -> int:
@@ -197,9 +218,10 @@ def _named_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, An
         return None
     inputs = {**kwargs, **({"input_ids": args[0]} if args else {})}
     counted = _SHAPE_FREE | {
-        *_TOKEN_INPUTS,
+        *(name for name, _ in _SEQUENCES),
         *_CACHES,
         *_KEEPING,
+        "output_router_logits",
         "logits_to_keep",
         "encoder_outputs",
         "labels",
@@ -207,24 +229,30 @@ def _named_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, An
     return None if any(_holds_more(v) for k, v in inputs.items() if k not in counted) else inputs
 
 
-def _token_lengths(inputs: dict[str, Any], encoder_decoder: bool) -> tuple[int, int, int] | None:
+def _sequence_lengths(inputs: dict[str, Any], encoder_decoder: bool) -> tuple[int, int, int] | None:
     """Batch, tokens the call computes (the encoder's, held or computed, and the decoder's) and positions
-    it returns logits for; None unless every sequence input is 2-D token ids of one batch. An
-    encoder-decoder given labels and no decoder ids decodes the labels shifted."""
-    ids = [inputs[name] for name in _TOKEN_INPUTS if inputs.get(name) is not None]
+    it returns logits for; None unless every sequence input is token ids (2-D) or their embeddings (3-D)
+    of one batch. An encoder-decoder given labels and no decoder tokens decodes the labels shifted."""
+    sequences = [
+        (inputs[name], dims) for name, dims in _SEQUENCES if isinstance(inputs.get(name), torch.Tensor)
+    ]
+    if sum(inputs.get(name) is not None for name, _ in _SEQUENCES) > len(sequences):
+        return None
     labels = inputs.get("labels")
-    if encoder_decoder and inputs.get("decoder_input_ids") is None and isinstance(labels, torch.Tensor):
-        ids.append(labels)
+    decoded = any(inputs.get(name) is not None for name in _DECODER_SEQUENCES)
+    if encoder_decoder and not decoded and isinstance(labels, torch.Tensor):
+        sequences.append((labels, 2))
     held = _first_tensor(inputs.get("encoder_outputs"))
-    if not ids or any(not isinstance(t, torch.Tensor) or t.dim() != 2 for t in ids):
+    if not sequences or any(t.dim() != dims for t, dims in sequences):
         return None
     if held is not None and not (isinstance(held, torch.Tensor) and held.dim() == 3):
         return None
-    sizes = {t.shape[0] for t in ids} | ({held.shape[0]} if held is not None else set())
+    sizes = {t.shape[0] for t, _ in sequences} | ({held.shape[0]} if held is not None else set())
     if len(sizes) != 1:
         return None
     encoder_tokens = 0 if held is None else held.shape[1]
-    return sizes.pop(), sum(t.shape[1] for t in ids) + encoder_tokens, ids[-1].shape[1]
+    tokens = sum(t.shape[1] for t, _ in sequences) + encoder_tokens
+    return sizes.pop(), tokens, sequences[-1][0].shape[1]
 
 
 def _first_tensor(outputs: Any) -> Any:

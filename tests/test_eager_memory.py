@@ -68,8 +68,11 @@ def test_calls_the_bound_cannot_read_have_none(build_model, checkpoint_config):
     ids = torch.ones(2, 5, dtype=torch.long)
     assert eager_call_bytes(llama, (ids,), {}) == eager_call_bytes(llama, (), {"input_ids": ids})
     assert eager_call_bytes(llama, (ids,), {"use_cache": True, "output_hidden_states": False}) is not None
-    # other inputs than token ids, a second positional argument
-    assert eager_call_bytes(llama, (), {"inputs_embeds": torch.ones(2, 5, 128)}) is None
+    # other inputs than token ids or their embeddings, a second positional argument
+    assert eager_call_bytes(llama, (), {"inputs_embeds": torch.ones(2, 5, 128)}) is not None
+    assert eager_call_bytes(llama, (), {"inputs_embeds": torch.ones(2, 5)}) is None  # not embeddings
+    assert eager_call_bytes(llama, (), {"inputs_embeds": [torch.ones(2, 5, 128)]}) is None
+    assert eager_call_bytes(llama, (), {"pixel_values": torch.ones(2, 3, 8, 8), "input_ids": ids}) is None
     assert eager_call_bytes(llama, (ids, ids), {}) is None
     assert eager_call_bytes(llama, (ids[0],), {}) is None  # not a batch of token ids
     assert eager_call_bytes(llama, (ids,), {"state": [torch.zeros(2, 128, 3)]}) is None  # RWKV's name only
@@ -183,6 +186,26 @@ def test_the_bound_covers_a_loss_and_every_layers_states(kind, attention, dtype,
     assert plain is not None and with_loss is not None and with_loss > plain
 
 
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_the_bound_covers_a_call_on_embeddings(kind, checkpoint_config):
+    """A call given the tokens' embeddings (soft prompts; a multimodal model's merged inputs) holds what
+    the same call on token ids holds: bounded alike, at least the allocator's peak, with labels too."""
+    model = _vocab_heavy(kind, torch.float32, "sdpa", checkpoint_config)
+    ids, labels = (
+        torch.randint(3, 32000, (2, 24), generator=torch.Generator().manual_seed(s)) for s in (1, 2)
+    )
+    embeddings = model.get_input_embeddings()
+    with torch.no_grad():
+        embedded = {"inputs_embeds": embeddings(ids)}
+        if kind == "t5":
+            embedded["decoder_inputs_embeds"] = embeddings(labels[:, :7])
+        by_ids = {"input_ids": ids, **({"decoder_input_ids": labels[:, :7]} if kind == "t5" else {})}
+        assert eager_call_bytes(model, (), embedded, "cpu") == eager_call_bytes(model, (), by_ids, "cpu")
+        for kwargs in (embedded, {"inputs_embeds": embedded["inputs_embeds"], "labels": labels}):
+            bound = eager_call_bytes(model, (), kwargs, "cpu")
+            assert bound is not None and bound >= _eager_peak(model, **kwargs), list(kwargs)
+
+
 def test_a_configs_own_switch_to_keep_every_layers_states_counts_as_the_keyword(build_model):
     llama = build_model("llama")
     ids = torch.ones(2, 7, dtype=torch.long)
@@ -264,6 +287,36 @@ def test_the_bound_covers_what_routed_experts_hold_eagerly(arch, checkpoint_conf
         model.config._experts_implementation = implementation
         for tokens in (1, 33):
             _assert_bounds_cover_prefill_and_step(model, 2, tokens)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "switch_transformers"])
+def test_the_bound_covers_a_call_returning_router_logits(arch, checkpoint_config):
+    """A mixture of experts asked for its router logits (and, with labels, their auxiliary loss) keeps
+    every layer's: at least the allocator's peak, above the call that does not ask; asked by the config's
+    own switch alike. Switch Transformers' loss one-hot encodes every layer's choices."""
+    if arch == "switch_transformers":
+        config = transformers.SwitchTransformersConfig(
+            vocab_size=1000, d_model=128, d_ff=256, d_kv=32, num_heads=4, num_layers=4, num_decoder_layers=4,
+            num_sparse_encoder_layers=2, num_sparse_decoder_layers=2, num_experts=16, decoder_start_token_id=0,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = transformers.SwitchTransformersForConditionalGeneration(config).eval()
+    else:
+        model = _moe(arch, checkpoint_config)
+    ids = torch.randint(3, 1000, (2, 48), generator=torch.Generator().manual_seed(4))
+    decoder = {"decoder_input_ids": ids[:, :9]} if arch == "switch_transformers" else {}
+    with torch.no_grad():
+        for kwargs in (
+            {"output_router_logits": True, **decoder},
+            {"output_router_logits": True, "labels": ids},
+        ):
+            bound = eager_call_bytes(model, (ids,), kwargs, "cpu")
+            assert bound is not None and bound >= _eager_peak(model, ids, **kwargs), list(kwargs)
+    asked = eager_call_bytes(model, (ids,), {"output_router_logits": True, **decoder}, "cpu")
+    plain = eager_call_bytes(model, (ids,), {"output_router_logits": False, **decoder}, "cpu")
+    assert asked is not None and plain is not None and asked > plain
+    model.config.output_router_logits = True
+    assert eager_call_bytes(model, (ids,), decoder, "cpu") == asked
 
 
 @pytest.mark.parametrize("pattern", ["M*-", "M*E"])
