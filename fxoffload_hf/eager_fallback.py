@@ -38,7 +38,13 @@ from fxoffload_hf.eager_forwards import (
 from fxoffload_hf.eager_groups import ModuleGroups
 from fxoffload_hf.eager_ops import uncounted
 from fxoffload_hf.eager_read_ahead import CallOrder, ReadAhead
-from fxoffload_hf.eager_sizes import lent_ghosts, record_of, weights_used_whole, whole_bytes
+from fxoffload_hf.eager_sizes import (
+    lent_ghosts,
+    record_of,
+    tables_read_by_rows,
+    weights_used_whole,
+    whole_bytes,
+)
 from fxoffload_hf.eager_tiles import project_in_tiles, projects_by_rows, rows_per_eager_tile, tile_bytes
 from fxoffload_hf.loaders import Way, way_of
 from fxoffload_hf.mapped_io import MappedGroup
@@ -218,7 +224,7 @@ class EagerWeights:
                     ghost.requires_grad_(record_of(ghost).requires_grad)
             self._read_ahead_after(module)
             if self.warn:
-                self._warn_once(module, sum(g.numel() * g.element_size() for g, _ in lent.swapped))
+                self._warn_once(module)
         except BaseException:
             self._release(module)
             raise
@@ -408,15 +414,24 @@ class EagerWeights:
     def _ghosts(self, module: nn.Module) -> list[nn.Parameter]:
         return lent_ghosts(module, self.borrowed.get(module, ()))
 
-    def _warn_once(self, module: nn.Module, loaded: int) -> None:
+    def _warn_once(self, module: nn.Module) -> None:
+        """Name ``module`` once, with what its call is lent: the bytes it brings in whole, and a table it
+        reads by rows where it lies, said apart (only the rows looked up are read)."""
         if module in self.warned:
             return
         self.warned.add(module)
         name = self.names.get(module, "")
+        ghosts = self._ghosts(module)
+        tables = tables_read_by_rows(module, ghosts, self._ways(module, ghosts))
+        lent = f"its weights ({format_bytes(self.lent_bytes(module))} whole"
+        if tables:
+            lent += (
+                f"; its table ({format_bytes(sum(r.footprint for r in tables))}) read by rows where it lies"
+            )
         warnings.warn(
             f"{type(module).__name__} {name!r} ran outside a captured graph (a graph break inside it, dynamo's "
-            f"recompile limit, or a direct call); its weights ({format_bytes(loaded)}) are lent to each such "
-            "call outside the streamed schedule: exact, but slower. Remove the graph break "
+            f"recompile limit, or a direct call); {lent}) are lent "
+            "to each such call outside the streamed schedule: exact, but slower. Remove the graph break "
             "(TORCH_LOGS=graph_breaks shows it) to stream them",
             EagerFallbackWarning,
             stacklevel=4,  # the module call that ran it (through before and _lend)

@@ -31,9 +31,17 @@ def weights_used_whole(
     return [
         (record_of(g), way)
         for g, way in zip(ghosts, ways, strict=True)
-        if not (way in ROWS_WHERE_THEY_LIE and reads_rows(module, g.device.type))
-        and not (tiled and g is weight)
+        if not _read_by_rows(module, g, way) and not (tiled and g is weight)
     ]
+
+
+def tables_read_by_rows(module: nn.Module, ghosts: list[nn.Parameter], ways: list[Way]) -> list[WeightRecord]:
+    """The tables an eager call of ``module`` reads rows of where they lie (never brought in whole)."""
+    return [record_of(g) for g, way in zip(ghosts, ways, strict=True) if _read_by_rows(module, g, way)]
+
+
+def _read_by_rows(module: nn.Module, ghost: nn.Parameter, way: Way) -> bool:
+    return way in ROWS_WHERE_THEY_LIE and reads_rows(module, ghost.device.type)
 
 
 def record_of(ghost: nn.Parameter) -> WeightRecord:

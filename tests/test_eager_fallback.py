@@ -217,6 +217,20 @@ def test_a_module_called_directly_reads_its_weights_in_place_from_the_checkpoint
         assert _ghosts_are_ghosts(model)
 
 
+def test_the_warning_tells_a_table_read_by_rows_from_weights_lent_whole(tmp_path, save_checkpoint):
+    """A user's own lookup (``get_input_embeddings()(ids)``, for ``inputs_embeds``) reads rows of the table
+    where it lies: the warning says so, and counts nothing lent whole; a projection's call is lent whole."""
+    with _loaded(save_checkpoint, tmp_path, "llama", "1MiB") as (eager, model):
+        ids = torch.tensor([[5, 7, 900]])
+        with pytest.warns(EagerFallbackWarning) as caught, torch.no_grad():
+            rows = model.get_input_embeddings()(ids)
+            model.model.layers[0].mlp.up_proj(rows)
+        assert torch.equal(rows, eager.get_input_embeddings()(ids))
+        lookup, projection = (str(w.message) for w in caught)
+        assert "(0 B whole; its table (500.00 KiB) read by rows where it lies)" in lookup, lookup
+        assert "(128.00 KiB whole)" in projection, projection
+
+
 def test_eager_calls_read_the_next_modules_pages_ahead_in_the_order_they_ran(tmp_path, save_checkpoint):
     with _loaded(save_checkpoint, tmp_path, "llama", "1MiB") as (_, model):
         engine = fxoffload_hf.engine_of(model)
