@@ -10,7 +10,8 @@ ends, and every later call is captured, when a call does not fit (capture measur
 streams the weights in pieces around them), when eager calls have taken about what capture costs (a
 ski-rental rule), or when a block of calls starts (each weight is then read once for all). A capture
 chosen for speed that the budget refuses (its pieces can group weights that eager calls are lent one
-module at a time) sends the calls back to eager code for good. When deferring ends the weights it kept
+module at a time) sends the calls back to eager code for good, the refused call with them where the
+graphs that ran before the refusal changed nothing it was given (``entries``). When deferring ends the weights it kept
 are let go: the captured schedule chooses its own from its profile.
 
 After deferring ended, a call that no captured graph serves (a plain forward after a generate, a batch of

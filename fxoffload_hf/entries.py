@@ -81,6 +81,7 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
         with engine.lock, eager_paths.inside(masks_by_value=engine.device.type == "cuda"):
             lent = eager.mark()
             graphs = len(engine.runners)
+            inputs = _InputVersions.of(args, kwargs)
             ran_before = (engine.stats.runs, engine.stats.pieces_run)
             capturing = False
             try:
@@ -116,10 +117,11 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                 refused = inner if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed) else exc
                 if capturing and engine.deferral.by_choice and isinstance(refused, BudgetTooSmallError):
                     engine.deferral.stay_eager(refused)  # captured for speed, which this budget cannot give
-                    if (engine.stats.runs, engine.stats.pieces_run) == ran_before:
+                    # graphs of this call may have run before a later one was refused (graph breaks): a
+                    # call whose inputs they could not change (no cache passed in, no tensor written to)
+                    # is run again whole as eager code; what they did to a cache cannot be undone
+                    if (engine.stats.runs, engine.stats.pieces_run) == ran_before or inputs.unchanged():
                         return _run_eagerly(engine, eager, target, original, args, kwargs)
-                    # graphs of this call ran before a later one was refused (graph breaks): what they did
-                    # (a KV cache extended) cannot be undone, so the call is not run again
                     raise CallStoppedMidway(
                         f"{refused}. This call was being captured for speed and part of it had run when a "
                         "later graph of it was refused; it cannot be run again from where it stopped. Calls "
@@ -144,6 +146,40 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
 
     undo.append(PatchedAttribute(target, attr, attr in target.__dict__, target.__dict__.get(attr)))
     setattr(target, attr, run)
+
+
+class _InputVersions:
+    """A call's arguments as they were before it: the tensors among them, each with its version (a write
+    in place bumps it), where every argument is a tensor, a plain value or a container of those; None
+    (``unchanged`` is then False) where one is an object the call may change (a cache)."""
+
+    _PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+    def __init__(self, tensors: list[tuple[torch.Tensor, int]] | None) -> None:
+        self.tensors = tensors
+
+    @classmethod
+    def of(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _InputVersions:
+        tensors: list[tuple[torch.Tensor, int]] = []
+        pending: list[Any] = [*args, *kwargs.values()]
+        while pending:
+            value = pending.pop()
+            if isinstance(value, torch.Tensor):
+                if value.is_inference():  # made under ``torch.inference_mode``: keeps no version
+                    return cls(None)
+                tensors.append((value, value._version))
+            elif isinstance(value, (list, tuple)):
+                pending.extend(value)
+            elif type(value) is dict:  # a plain dict (not a ``ModelOutput`` or another object of state)
+                pending.extend(value.values())
+            elif not isinstance(value, cls._PLAIN):
+                return cls(None)
+        return cls(tensors)
+
+    def unchanged(self) -> bool:
+        """Whether the call surely left its arguments as they were: none is an object of state, and no
+        tensor among them was written in place."""
+        return self.tensors is not None and all(t._version == v for t, v in self.tensors)
 
 
 def _entry_cache(model: nn.Module, entry: str, engine: Engine) -> compile_cache.EntryCache | None:

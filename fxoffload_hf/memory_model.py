@@ -114,8 +114,10 @@ class BudgetTooSmallError(ValueError):
 
 class CallStoppedMidway(BudgetTooSmallError):
     """A call captured for speed stopped where a later graph of it was refused, after earlier graphs of
-    it ran: it cannot go on from there, and calls run eagerly from now on. A ``generate`` that made its
-    own cache is run again from its start (``generate_memory``); any other call is the caller's to repeat."""
+    it ran and changed what it was given (a cache passed in, a tensor written to): it cannot go on from
+    there, and calls run eagerly from now on. A call that changed nothing it was given is run again as
+    eager code instead (``entries``); a ``generate`` that made its own cache is run again from its start
+    (``generate_memory``); any other call is the caller's to repeat."""
 
 
 def format_bytes(size: int | float | None) -> str:

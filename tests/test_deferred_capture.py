@@ -436,8 +436,8 @@ def test_weights_held_only_in_ram_make_room_for_an_eager_call(tmp_path):
 
 
 class _TwoGraphs(torch.nn.Module):
-    """Two projections with a graph break between them; the call notes each time its first part runs (as
-    a KV cache is extended)."""
+    """Two projections with a graph break between them; the call notes each time its first part runs, in
+    the state it is given (as a KV cache passed in is extended), else in its own list."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -445,27 +445,31 @@ class _TwoGraphs(torch.nn.Module):
         self.second = torch.nn.Linear(256, 256)
         self.first_parts_run: list[int] = []
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: _State | None = None, write: bool = False) -> torch.Tensor:
+        if write:
+            x.mul_(1.0)  # written in place: its version moves, its values do not
         y = self.first(x).relu()
-        self.first_parts_run.append(1)
+        (self.first_parts_run if state is None else state.parts).append(1)
         torch._dynamo.graph_break()
         return self.second(y)
 
 
-def test_a_capture_for_speed_refused_midway_does_not_run_the_call_again(
-    monkeypatch, eager_calls_bounded, second_graph_refused
-):
-    """Where a call captured for speed has run its first graph when its second is refused, what the first
-    did cannot be undone: the call is not run again as eager code (a generate's cache would be extended
-    twice) but refused, saying so; calls run eagerly from then on, exactly."""
-    from fxoffload_hf import BudgetTooSmallError
+class _State:
+    """An object of state a call is given (a cache): a call that changed it cannot be run again."""
 
+    def __init__(self) -> None:
+        self.parts: list[int] = []
+
+
+@pytest.fixture
+def two_graphs_captured_for_speed(monkeypatch, eager_calls_bounded, second_graph_refused):
+    """``_TwoGraphs`` offloaded at deferred capture, its eager output, and its engine once the next call
+    is captured for speed: a capture whose second graph is refused after the first ran."""
     torch.manual_seed(0)
     model = _TwoGraphs()
     x = torch.randn(2, 256)
     with torch.no_grad():
         want = model(x)
-    graphs = second_graph_refused
     fxoffload_hf.offload(model, cpu_memory="8MiB", device="cpu", capture="deferred")
     engine = fxoffload_hf.engine_of(model)
     try:
@@ -473,11 +477,49 @@ def test_a_capture_for_speed_refused_midway_does_not_run_the_call_again(
             assert torch.equal(model(x), want) and engine.stats.eager_calls == 1
             monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
             assert torch.equal(model(x), want)  # decides to capture from the next call, for speed
-            model.first_parts_run.clear()
-            with pytest.raises(BudgetTooSmallError, match="part of it had run when a later graph"):
-                model(x)
-            assert len(graphs) == 2 and model.first_parts_run == [1]  # the first part ran once
-            assert engine.deferral.refused and engine.deferring
-            assert torch.equal(model(x), want) and engine.stats.eager_calls == 3
+        model.first_parts_run.clear()
+        yield model, x, want, engine
     finally:
         fxoffload_hf.restore(model)
+
+
+def test_a_capture_for_speed_refused_midway_does_not_run_again_a_call_given_state(
+    two_graphs_captured_for_speed, second_graph_refused
+):
+    """Where a call captured for speed has run its first graph when its second is refused, what the first
+    did to an object of state it was given (a KV cache extended) cannot be undone: the call is not run
+    again as eager code but refused, saying so; calls run eagerly from then on, exactly."""
+    from fxoffload_hf import BudgetTooSmallError
+
+    model, x, want, engine = two_graphs_captured_for_speed
+    state = _State()
+    with torch.no_grad():
+        with pytest.raises(BudgetTooSmallError, match="part of it had run when a later graph"):
+            model(x, state)
+        assert len(second_graph_refused) == 2 and state.parts == [1]  # the first part ran once
+        assert engine.deferral.refused and engine.deferring
+        assert torch.equal(model(x), want) and engine.stats.eager_calls == 3
+
+
+def test_a_capture_for_speed_refused_midway_runs_again_a_call_that_changed_nothing_it_was_given(
+    two_graphs_captured_for_speed, second_graph_refused
+):
+    """A call given only tensors it does not write to (a forward with labels, asking for hidden states:
+    any call without a cache passed in) is run again whole as eager code: the caller gets eager's output,
+    no refusal. One given a tensor the first graph wrote to is refused."""
+    model, x, want, engine = two_graphs_captured_for_speed
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+        assert len(second_graph_refused) == 2 and model.first_parts_run == [1, 1]  # captured, then eager
+        assert engine.deferral.refused and engine.deferring and engine.stats.eager_calls == 3
+
+
+def test_a_capture_for_speed_refused_midway_does_not_run_again_a_call_that_wrote_to_its_input(
+    two_graphs_captured_for_speed, second_graph_refused
+):
+    from fxoffload_hf import BudgetTooSmallError
+
+    model, x, _want, engine = two_graphs_captured_for_speed
+    with torch.no_grad(), pytest.raises(BudgetTooSmallError, match="part of it had run when a later graph"):
+        model(x.clone(), write=True)
+    assert model.first_parts_run == [1] and engine.deferral.refused
