@@ -404,6 +404,17 @@ def deferred_refusal():
     return refusal
 
 
+@pytest.fixture(autouse=True)
+def capture_not_chosen_by_the_clock(monkeypatch) -> None:
+    """Deferred capture ends when eager calls have taken about what capture is estimated to cost: a
+    matter of this machine's speed and load at the time. Tests choose it (setting
+    ``_CAPTURE_SECONDS_PER_MODULE_CALL`` where they test it); elsewhere eager calls never end deferring
+    by their time, so a loaded machine does not change what a test checks."""
+    import fxoffload_hf.deferral
+
+    monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", float("inf"))
+
+
 @pytest.fixture
 def eager_calls_bounded(monkeypatch) -> None:
     """Deferred capture runs a toy model's calls eagerly: their bound is taken as nothing beside their
