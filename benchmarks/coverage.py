@@ -31,6 +31,7 @@ from typing import Any
 
 from harness.children import ChildRun, run_child
 from harness.shrink import BATCH_VARIABLE, DTYPE_VARIABLE, SHAPE_VARIABLE, TINY
+from harness.user_calls import CALLS_VARIABLE
 
 HERE = Path(__file__).resolve().parent
 CHILD = HERE / "coverage_child.py"
@@ -197,6 +198,14 @@ def main(argv: list[str] | None = None) -> int:
         help="prompts a call carries (default 1); from 2, of different lengths, left-padded with their "
         "attention mask, as a batch of a user's prompts",
     )
+    parser.add_argument(
+        "--calls",
+        choices=["plain", "user"],
+        default="plain",
+        help="plain (default): two forwards and a greedy generate; user: also what a person evaluating a "
+        "model calls (a loss over labels, every layer's hidden states, a tuple output, beam search, seeded "
+        "sampling), each against eager",
+    )
     parser.add_argument("--resume", action="store_true", help="skip pairs already in --out")
     parser.add_argument("--report-only", action="store_true", help="only write the summary of --out")
     parser.add_argument("--table", action="store_true", help="print the markdown summary")
@@ -206,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["FXOFFLOAD_HF_CAPTURE"] = args.capture  # the children's capture mode
     os.environ[DTYPE_VARIABLE] = args.dtype
     os.environ[BATCH_VARIABLE] = str(args.batch)
+    os.environ[CALLS_VARIABLE] = args.calls
     shape = TINY.with_sizes(args.hidden, args.vocab)
     os.environ[SHAPE_VARIABLE] = json.dumps(dataclasses.asdict(shape))  # the children's widths
     from harness.coverage_report import markdown
@@ -229,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         **({"shape": dataclasses.asdict(shape)} if shape != TINY else {}),
         **({"dtype": args.dtype} if args.dtype != "float32" else {}),
         **({"batch": args.batch} if args.batch > 1 else {}),
+        **({"calls": args.calls} if args.calls != "plain" else {}),
     }
     text = markdown(latest(rows), header)
     table = args.out.with_suffix(".md")

@@ -23,6 +23,7 @@ from typing import Any
 
 from harness.protocol import emit, phase
 from harness.shrink import batch_from_environment, dtype_from_environment
+from harness.user_calls import battery, battery_from_environment, run_offloaded, run_reference
 
 AUTO_CLASSES = {"causal": "AutoModelForCausalLM", "seq2seq": "AutoModelForSeq2SeqLM", "base": "AutoModel"}
 SEQ_LEN, DECODER_LEN, NEW_TOKENS, LOW_ID = 12, 5, 4, 3
@@ -211,9 +212,10 @@ def eager_reference(
             out = output_of(model(**inputs))
             record["roundtrip_exact"] = same(out, output_of(built(**inputs)))
             tokens = greedy(model, inputs) if generates(model) else None
+            user = run_reference(battery(model, inputs, NEW_TOKENS)) if battery_from_environment() else {}
     except Exception as exc:  # noqa: BLE001
         raise Skip(f"eager reload or generate fails ({first_line(exc)})") from exc
-    return {"output": out, "tokens": tokens}
+    return {"output": out, "tokens": tokens, "user_calls": user}
 
 
 def check_offloaded(
@@ -234,10 +236,10 @@ def check_offloaded(
         warnings.simplefilter("always")
         model = None
         try:
-            model, first, second, tokens = load(
-                fxoffload_hf, auto, folder, budget, inputs, record, reference["tokens"] is not None
+            model, first, second, tokens, user = load(
+                fxoffload_hf, auto, folder, budget, inputs, record, reference
             )
-            result = compare(reference, first, second, tokens)
+            result = compare(reference, first, second, tokens, user)
             result.update(engine_facts(fxoffload_hf, model))
         except Exception as exc:  # noqa: BLE001 - every failure is a finding
             result = failure(exc)
@@ -279,10 +281,11 @@ def load(
     budget: int,
     inputs: dict[str, Any],
     record: dict[str, Any],
-    generate: bool,
-) -> tuple[Any, Any, Any, Any]:
-    """The offloaded model at ``budget``, its two forward outputs (the profiled call, the planned one) and
-    its greedy tokens (None unless ``generate``). A budget refused as too small is tried again (six
+    reference: dict[str, Any],
+) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    """The offloaded model at ``budget``, its two forward outputs (the profiled call, the planned one),
+    its greedy tokens (None where eager's reference has none) and its outputs of the user battery's calls
+    eager could make (``--calls user``). A budget refused as too small is tried again (six
     times at most) at exactly the smallest budget the refusal names."""
     import torch
 
@@ -312,11 +315,13 @@ def load(
                 phase(where)
                 second = output_of(model(**inputs))
                 tokens = None
-                if generate:
+                if reference["tokens"] is not None:
                     where = "generate"
                     phase(where)
                     tokens = greedy(model, inputs)
-            return model, first, second, tokens
+                where = "user calls"
+                user = run_offloaded(battery(model, inputs, NEW_TOKENS), reference["user_calls"], phase)
+            return model, first, second, tokens, user
         except fxoffload_hf.BudgetTooSmallError as exc:
             if model is not None:
                 fxoffload_hf.restore(model)
@@ -332,8 +337,11 @@ def load(
     raise AssertionError("unreachable")
 
 
-def compare(reference: dict[str, Any], first: Any, second: Any, tokens: Any) -> dict[str, Any]:
+def compare(
+    reference: dict[str, Any], first: Any, second: Any, tokens: Any, user: dict[str, Any]
+) -> dict[str, Any]:
     import torch
+    from harness.user_calls import compare as compare_user_calls
 
     expected = reference["output"]
     diff = max(max_diff(expected, first), max_diff(expected, second))
@@ -344,7 +352,9 @@ def compare(reference: dict[str, Any], first: Any, second: Any, tokens: Any) -> 
         result["generate_equal"] = tokens is not None and torch.equal(tokens, reference["tokens"])
     close = diff <= CLOSE * scale
     status = "exact" if result["forward_exact"] else "close" if close else "mismatch"
-    if result.get("generate_equal") is False:
+    if reference["user_calls"]:
+        result["user_calls"] = compare_user_calls(reference["user_calls"], user, same)
+    if result.get("generate_equal") is False or False in result.get("user_calls", {}).values():
         status = "mismatch"
     result["status"] = status
     return result

@@ -55,16 +55,24 @@ def name_of(row: dict[str, Any]) -> str:
     return row["type"] if row["mapping"] == "causal" else f"{row['type']} ({row['mapping']})"
 
 
+def _differing_calls(row: dict[str, Any]) -> list[str]:
+    """The user battery's calls whose output differs from eager's (``--calls user``)."""
+    return [name for name, equal in (row.get("user_calls") or {}).items() if equal is False]
+
+
+def _difference(row: dict[str, Any]) -> str:
+    if not row.get("forward_exact"):
+        return "differs from eager"
+    return "greedy tokens differ" if row.get("generate_equal") is False else "a user call differs"
+
+
 def causes(rows: list[dict[str, Any]]) -> list[str]:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         if row["status"] not in FAILURES:
             continue
         if row["status"] in ("close", "mismatch"):
-            key = (
-                row["status"],
-                "differs from eager" if not row.get("forward_exact") else "greedy tokens differ",
-            )
+            key = row["status"], _difference(row)
         elif row["status"] == "hang":
             key = "hang", f"killed in phase {row.get('phase')}"
         else:
@@ -80,6 +88,7 @@ def causes(rows: list[dict[str, Any]]) -> list[str]:
             out += [
                 f"- {name_of(r)}: max diff {r.get('max_diff'):.3g}, forward exact {r.get('forward_exact')}, "
                 f"greedy tokens equal {r.get('generate_equal')}, graphs {r.get('graphs')}"
+                + (f", user calls differing: {', '.join(_differing_calls(r))}" if _differing_calls(r) else "")
                 for r in members
             ]
         else:
@@ -112,6 +121,9 @@ def remark_list(row: dict[str, Any]) -> list[str]:
         notes.append(f"budget raised from {row['budget_raised_from']} to {row.get('budget')}")
     if row.get("roundtrip_exact") is False:
         notes.append("Hugging Face's own reload differs from the built model")
+    left_out = [name for name, equal in (row.get("user_calls") or {}).items() if isinstance(equal, str)]
+    if left_out:
+        notes.append(f"user calls eager cannot make: {', '.join(left_out)}")
     if row.get("restore_error"):
         notes.append(f"restore failed: {row['restore_error']}")
     return notes
