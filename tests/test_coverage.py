@@ -94,3 +94,41 @@ def test_type_runs_offloaded_exactly_as_eager(mapping, type_name, tmp_path):
 def test_the_subset_spans_at_least_thirty_types_across_families():
     assert len({t for _, t in CASES}) >= 30 and len(FAMILIES) >= 6
     assert set(CASES) >= GENERATE
+
+
+@pytest.mark.parametrize(("mapping", "type_name"), [("causal", "llama"), ("seq2seq", "t5")])
+def test_a_users_evaluation_calls_equal_eager(mapping, type_name, tmp_path, monkeypatch, default_capture):
+    """The sweep's ``--calls user`` battery (a loss over labels, every layer's hidden states, a tuple
+    output, beam search, seeded sampling) on a padded batch of three prompts, in the default capture mode
+    at a quarter of the weights: each call bit for bit as eager's."""
+    import transformers
+    from coverage_child import NEW_TOKENS, same
+    from harness.shrink import BATCH_VARIABLE
+    from harness.user_calls import battery, compare, run_offloaded, run_reference
+
+    monkeypatch.setenv(BATCH_VARIABLE, "3")
+    auto = getattr(transformers, AUTO_CLASSES[mapping])
+    built, config = build(type_name, mapping, auto, {})
+    inputs = make_inputs(config, built)
+    weights = sum(p.numel() * p.element_size() for p in built.parameters())
+    built.save_pretrained(tmp_path)
+    with torch.no_grad():
+        expected = run_reference(battery(built, inputs, NEW_TOKENS))
+    assert not any(isinstance(v, str) for v in expected.values()), expected  # eager makes every call
+    del built
+    budget = weights // 4
+    for _hop in range(4):
+        model = fxoffload_hf.from_pretrained(
+            tmp_path, offload="fx", cpu_memory=budget, device="cpu", auto_class=auto
+        )
+        try:
+            with torch.no_grad():
+                got = run_offloaded(battery(model, inputs, NEW_TOKENS), expected, lambda _name: None)
+            break
+        except fxoffload_hf.BudgetTooSmallError as exc:
+            assert exc.smallest_budget > budget
+            budget = exc.smallest_budget
+        finally:
+            fxoffload_hf.restore(model)
+    assert compare(expected, got, same) == dict.fromkeys(expected, True)
+    assert {"loss", "hidden_states", "beam_search", "sampling"} <= set(expected)
