@@ -185,8 +185,8 @@ def _router_logits_bytes(config: Any, text: Any, inputs: dict[str, Any], layers:
     softmax, the choices and the padding's weights)."""
     if not _asked(config, text, inputs, "output_router_logits"):
         return 0
-    experts = max(_int(text, name) for name in _EXPERT_COUNTS)
-    chosen = max((_int(text, name) for name in _EXPERTS_PER_TOKEN), default=0) or experts
+    experts, routed = _expert_counts(text)
+    chosen = routed or experts
     per_layer = experts * (4 + 8 + 4) + chosen * 16
     return tokens * (layers * per_layer + 3 * experts * 4)
 
@@ -300,7 +300,7 @@ def _routed_bytes(
 ) -> int | None:
     """What routed experts add per token beside the dense bound (0 without them); None where their eager
     code may copy expert weights (``_experts_compute_on_views``)."""
-    experts = max(_int(text, name) for name in _EXPERT_COUNTS)
+    experts, routed = _expert_counts(text)
     if experts <= 1:
         return 0
     found = _experts_computing_on_views(model, device_type)
@@ -308,13 +308,18 @@ def _routed_bytes(
         return None
     if not found.routes:
         return 0
-    routed = max((_int(text, name) for name in _EXPERTS_PER_TOKEN), default=0)
     per_token = experts if found.every_expert or not routed else routed
     width = max(_int(text, name) for name in _EXPERT_WIDTHS) or 4 * hidden
     # each routed copy of the token: its states, its expert's gate, up and activation states, and the
     # expert's output, twice over; the router's logits and probabilities (fp32) and the routing indices
     states = 2 * per_token * (2 * hidden + 3 * width) * itemsize
     return states + 2 * experts * 4 + 4 * per_token * 8
+
+
+def _expert_counts(text: Any) -> tuple[int, int]:
+    """The config's count of routed experts and of experts each token is routed to (0 where unset)."""
+    experts = max(_int(text, name) for name in _EXPERT_COUNTS)
+    return experts, max((_int(text, name) for name in _EXPERTS_PER_TOKEN), default=0)
 
 
 def _experts_computing_on_views(model: nn.Module, device_type: str | None) -> _Experts | None:

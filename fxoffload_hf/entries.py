@@ -81,7 +81,7 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
         with engine.lock, eager_paths.inside(masks_by_value=engine.device.type == "cuda"):
             lent = eager.mark()
             graphs = len(engine.runners)
-            inputs = _InputVersions.of(args, kwargs)
+            inputs: _InputVersions | None = None
             ran_before = (engine.stats.runs, engine.stats.pieces_run)
             capturing = False
             try:
@@ -107,6 +107,8 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                     ):
                         return _run_eagerly(engine, eager, target, original, args, kwargs)
                 engine.call_started = time.perf_counter()
+                if deferral.by_choice:  # read only where a capture for speed may be refused midway
+                    inputs = _InputVersions.of(args, kwargs)
                 capturing = True
                 with compile_cache.running(engine):
                     return compiled()(*args, **kwargs)
@@ -120,7 +122,8 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                     # graphs of this call may have run before a later one was refused (graph breaks): a
                     # call whose inputs they could not change (no cache passed in, no tensor written to)
                     # is run again whole as eager code; what they did to a cache cannot be undone
-                    if (engine.stats.runs, engine.stats.pieces_run) == ran_before or inputs.unchanged():
+                    ran = (engine.stats.runs, engine.stats.pieces_run) != ran_before
+                    if not ran or (inputs is not None and inputs.unchanged()):
                         return _run_eagerly(engine, eager, target, original, args, kwargs)
                     raise CallStoppedMidway(
                         f"{refused}. This call was being captured for speed and part of it had run when a "
