@@ -148,8 +148,7 @@ def offload(
             store.pin_host_memory()
         holders = _install_ghosts(large, store, config.device, undo)
         eager = _guard_modules(model, holders, engine, undo, entry_points)
-        if engine.deferring:
-            _tell_deferral_how_calls_are_lent(eager, holders, engine)
+        _tell_deferral_how_calls_are_lent(eager, holders, engine)
         _take_eager_code_paths(model, undo)
         undo.append(eager_paths.EagerPaths())
         # repeated blocks are not stamped out here (``blocks``): dynamo's reuse check let a wrong trace
@@ -358,8 +357,10 @@ def _guard_modules(
 def _tell_deferral_how_calls_are_lent(eager: EagerWeights, holders: set[nn.Module], engine: Engine) -> None:
     """Deferred capture runs calls eagerly, each module lent its weights whole (a plain projection too
     large for that in tiles, ``eager_tiles``); a call that does not fit so is captured, and where its
-    capture is refused too the refusal names the budget eager calls need (``Deferral.or_eagerly``).
-    Tells the deferral how eager calls are lent weights, and where projections can go in tiles."""
+    capture is refused too the refusal names the budget eager calls need (``Deferral.or_eagerly``). In
+    either mode, a kind of call whose capture is refused runs eagerly where it fits so
+    (``Deferral.refused_new_graph``). Tells the deferral how eager calls are lent weights, and where
+    projections can go in tiles."""
     if engine.memory.room(0) is None or not holders:
         return
     engine.deferral.lending = eager.lending(tiled=False)

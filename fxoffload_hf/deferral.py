@@ -114,6 +114,12 @@ class Deferral:
         # torch operations the last two eager calls counted ran (``eager_ops``), and the calls counted
         self._recent_ops: tuple[int, ...] = ()
         self._calls_counted = 0
+        # a capture of a call no graph served was refused for the budget: such calls run eagerly where
+        # they fit, in either capture mode, and are not captured for speed again (``refused_new_graph``);
+        # the kinds of call refused (``entries.call_kind``: a graph of the frame they enter may serve them,
+        # another past a graph break is the one refused)
+        self.new_graphs_refused = False
+        self.refused_kinds: set[object] = set()
         # calls no graph served after deferring ended, run eagerly since the last capture, and their seconds
         self._uncaptured_calls = 0
         self._uncaptured_seconds = 0.0
@@ -170,11 +176,15 @@ class Deferral:
         of being captured (a plain forward after a generate, a batch of a new kind): while such calls have
         taken less than a graph's capture is estimated to cost (the ski-rental rule, per graph), and its
         bound ``need`` fits the budget beside the weights kept for the graphs and the largest module lent
-        whole, with ``expected`` bytes of a generate's KV caches. Nothing is let go for it."""
-        if self.on or not self.deferred_capture or need is None:
+        whole, with ``expected`` bytes of a generate's KV caches. Nothing is let go for it, except where a
+        new graph was refused (``refused_new_graph``, in either capture mode): then with no ski-rental
+        rule, and the weights the graphs kept are let go where the call needs their room."""
+        if self.on or not (self.deferred_capture or self.new_graphs_refused) or need is None:
             return False
-        if self._uncaptured_seconds >= self._graph_capture_seconds() and not self._cannot_capture(
-            "for a call no graph serves"
+        if (
+            not self.new_graphs_refused
+            and self._uncaptured_seconds >= self._graph_capture_seconds()
+            and not self._cannot_capture("for a call no graph serves")
         ):
             report(
                 "capturing a new graph from this call: %d eager calls no graph served took %.1f s, about "
@@ -193,10 +203,37 @@ class Deferral:
         self._tile_if_need_be(budget - self.memory.need(activations=activations, resident=kept.total))
         lent = self._lent_at_once()
         spare = budget - self.memory.need(activations=activations, resident=kept.total, in_flight=lent)
+        if spare < 0 and self.new_graphs_refused:
+            # the graphs' plan kept what the budget left: let go of weights (the last first) for a call
+            # no graph can serve; the next captured call plans again (``Engine.current``). Where it still
+            # does not fit, the refusal of its capture names the budget it needs (``or_eagerly``)
+            kept = self._let_go_of_graphs_weights(spare)
+            self.eager_floor = self.memory.need(activations=activations, resident=kept.total, in_flight=lent)
+            spare = budget - self.eager_floor
         if spare < 0:
             return False
         self.in_flight_room = lent + spare if self.counts_ram else None
         return True
+
+    def _let_go_of_graphs_weights(self, spare: int) -> HeldBytes:
+        """Stop keeping weights, the last first, until ``-spare`` bytes more are free; the bytes kept then."""
+        kept = [r for r in self.store.records.values() if r.resident is not None]
+        held = HeldBytes(self.store, kept)
+        target = held.total + spare
+        while kept and held.total > target:
+            self.store.evict(kept.pop().name)
+            held = HeldBytes(self.store, [r for r in kept if r.resident is not None])
+        return held
+
+    def refused_new_graph(self, refusal: BudgetTooSmallError, kind: object) -> None:
+        """The budget refused the capture of a call of ``kind`` (its graph's state or activations beside
+        the graphs held): such calls, and calls no graph serves, run as eager code from now on where they
+        fit (``runs_uncaptured``), in either capture mode; those that do not are captured, and may be
+        refused."""
+        if not self.new_graphs_refused:
+            report("calls no graph serves run as eager code where they fit from now on: %s", refusal)
+        self.new_graphs_refused = True
+        self.refused_kinds.add(kind)
 
     def ran_eagerly(self, seconds: float, module_calls: int, ops: int = 0) -> None:
         """An entry point's call ran eagerly, ``ops`` torch operations in all: capture from the next call

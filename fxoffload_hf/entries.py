@@ -94,10 +94,9 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                 # (every decode step) are not bounded at all
                 uncaptured = (
                     not deferral.on
-                    and deferral.deferred_capture
-                    and graphs
+                    and ((deferral.deferred_capture and graphs) or deferral.new_graphs_refused)
                     and engine.cohort is None
-                    and not served(args, kwargs)
+                    and (call_kind(args, kwargs) in deferral.refused_kinds or not served(args, kwargs))
                 )
                 if deferral.on or uncaptured:
                     need = eager_call_bytes(target, args, kwargs)
@@ -132,6 +131,20 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                         "starts again by itself)",
                         smallest_budget=refused.smallest_budget,
                     ) from None
+                if (
+                    capturing
+                    and isinstance(refused, BudgetTooSmallError)
+                    and engine.cohort is None
+                    and not engine.captures.graphs_expected  # a generate's: micro-batches, or its cache on disk
+                    and ((engine.stats.runs, engine.stats.pieces_run) == ran_before or inputs.unchanged())
+                ):
+                    # a kind of call whose capture the budget refuses (beside the graphs held, if any): as
+                    # eager code where its bound fits, and later ones too, as a call no graph serves in
+                    # the default mode is
+                    engine.deferral.refused_new_graph(refused, call_kind(args, kwargs))
+                    need = eager_call_bytes(target, args, kwargs)
+                    if engine.deferral.runs_uncaptured(need, engine.expected_activations):
+                        return _run_eagerly(engine, eager, target, original, args, kwargs)
                 if capturing and isinstance(refused, BudgetTooSmallError):
                     smaller = engine.deferral.or_eagerly(refused)  # eager calls may need less
                     if smaller is not refused:
@@ -149,6 +162,22 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
 
     undo.append(PatchedAttribute(target, attr, attr in target.__dict__, target.__dict__.get(attr)))
     setattr(target, attr, run)
+
+
+def call_kind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
+    """What tells a kind of call from another beside its sizes: each argument's name, a tensor's rank and
+    dtype, a plain value itself, another object's type (a cache's)."""
+
+    def of(value: Any) -> object:
+        if isinstance(value, torch.Tensor):
+            return ("tensor", value.dim(), value.dtype)
+        if isinstance(value, (list, tuple)):
+            return (type(value).__name__, tuple(of(v) for v in value))
+        if isinstance(value, (bool, int, float, str, type(None))):
+            return value
+        return type(value).__qualname__
+
+    return tuple(of(a) for a in args), tuple(sorted((k, of(v)) for k, v in kwargs.items()))
 
 
 class _InputVersions:

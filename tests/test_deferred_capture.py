@@ -523,3 +523,34 @@ def test_a_capture_for_speed_refused_midway_does_not_run_again_a_call_that_wrote
     with torch.no_grad(), pytest.raises(BudgetTooSmallError, match="part of it had run when a later graph"):
         model(x.clone(), write=True)
     assert model.first_parts_run == [1] and engine.deferral.refused
+
+
+@pytest.mark.parametrize("capture", ["first-call", "deferred"])
+def test_a_kind_of_call_whose_capture_the_budget_refuses_runs_eagerly(
+    capture, tmp_path, save_checkpoint, monkeypatch, second_graph_refused
+):
+    """A forward is captured (from the first call, or deferred capture chosen for the budget), and the
+    budget refuses the graph of a call of another kind beside it (every layer's hidden states asked for;
+    as a graph's state can be refused): that call runs as eager code, each module lent its weights in
+    turn, with eager's outputs, and the refused graph is not traced again."""
+    eager = save_checkpoint("llama", tmp_path)
+    ids = torch.randint(1, 1000, (2, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = eager(ids, output_hidden_states=True)
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="3MiB", device="cpu", capture=capture)
+    engine = fxoffload_hf.engine_of(model)
+    if capture == "deferred":  # and a call no graph serves captured at once, not run eagerly first
+        engine.deferral.end("a test's: as if the first call had not fit as eager code", by_choice=False)
+        monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, expected.logits) and len(engine.runners) == 1
+            for calls in (1, 2):
+                got = model(ids, output_hidden_states=True)
+                assert torch.equal(got.logits, expected.logits)
+                assert all(map(torch.equal, got.hidden_states, expected.hidden_states))
+                assert len(second_graph_refused) == 2 and len(engine.runners) == 1
+                assert engine.deferral.new_graphs_refused and engine.stats.eager_calls == calls
+            assert torch.equal(model(ids).logits, expected.logits) and engine.stats.eager_calls == 2
+    finally:
+        fxoffload_hf.restore(model)

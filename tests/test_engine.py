@@ -28,16 +28,21 @@ def test_each_captured_graphs_state_is_counted_and_a_budget_below_it_is_refused_
         assert torch.equal(got, eager(ids, use_cache=False).logits)
     assert counted > 0 and counted % GRAPH_STATE_BYTES_PER_OP == 0
     assert all(m is not None and m.graph_bytes == counted for m in held)  # every check sees it
-    # a budget the weights alone would stream in, below the graph's state: refused, naming it
+    # a budget the weights alone would stream in, below the graph's state: the capture is refused, and
+    # the call runs as eager code (within its bound); one the bound cannot read (a second positional
+    # argument) is refused, naming the graph's state
     tight = fxoffload_hf.from_pretrained(folder, cpu_memory=counted // 2, device="cpu")
     tight_engine = fxoffload_hf.engine_of(tight)
     try:
-        with pytest.raises(BudgetTooSmallError, match="captured graphs' state") as refused, torch.no_grad():
-            tight(ids, use_cache=False)
+        with torch.no_grad():
+            assert torch.equal(tight(ids, use_cache=False).logits, got)
+            assert tight_engine.stats.eager_calls == 1 and tight_engine.deferral.new_graphs_refused
+            with pytest.raises(BudgetTooSmallError, match="captured graphs' state") as refused:
+                tight(ids, None, use_cache=False)
     finally:
         fxoffload_hf.restore(tight)
     assert refused.value.smallest_budget > counted
-    assert tight_engine.memory.graph_bytes == 0  # the refused graph is not kept, nor counted
+    assert tight_engine.memory.graph_bytes == 0  # the refused graphs are not kept, nor counted
     # a generate's KV cache is blamed only where the rest fits without it (here: the graph's state)
     tight_engine._set_memory(tight_engine.memory.with_graph(counted // GRAPH_STATE_BYTES_PER_OP))
     with pytest.raises(BudgetTooSmallError, match="cannot hold the rest even without it"):
