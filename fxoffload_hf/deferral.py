@@ -23,7 +23,7 @@ beside the weights the graphs keep; then it is captured.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -141,7 +141,6 @@ class Deferral:
             activations = max(need, expected)
             beside = budget - self.memory.need(activations=activations)  # the room for weights
             self._tile_if_need_be(beside)
-            tiles = self.tiles
             room = beside - self.lending.largest
             room_to_keep = budget - self.memory.need(
                 activations=max(self._largest_need, expected), in_flight=self._lent_at_once()
@@ -154,10 +153,7 @@ class Deferral:
                 in_flight = self._lent_at_once() + max(room_to_keep - kept, 0)
                 self.in_flight_room = in_flight if self.counts_ram else None
                 return True
-            lent = self.lending.largest
-            if tiles is not None:  # the fewest bytes a call can be lent: projections in their smallest tiles
-                lent = min(lent, tiles.lending_in_tiles(0).largest)
-            self.eager_floor = self.memory.need(activations=activations, in_flight=lent)
+            self.eager_floor = self._eager_floor(activations)
             least = self.capture_cannot_fit(expected=expected, transient=False)
             if least is not None and self.eager_floor <= least:
                 raise self._too_small_to_capture(need, least, self.eager_floor)
@@ -208,12 +204,24 @@ class Deferral:
             # no graph can serve; the next captured call plans again (``Engine.current``). Where it still
             # does not fit, the refusal of its capture names the budget it needs (``or_eagerly``)
             kept = self._let_go_of_graphs_weights(spare)
-            self.eager_floor = self.memory.need(activations=activations, resident=kept.total, in_flight=lent)
-            spare = budget - self.eager_floor
+            spare = budget - self.memory.need(activations=activations, resident=kept.total, in_flight=lent)
+            if spare < 0:
+                self.eager_floor = self._eager_floor(activations)
         if spare < 0:
             return False
         self.in_flight_room = lent + spare if self.counts_ram else None
         return True
+
+    def _eager_floor(self, activations: int) -> int:
+        """The budget at which deferred capture runs a call holding ``activations`` as eager code: the
+        fewest bytes a call can be lent (projections in their smallest tiles) beside them, before any graph
+        is captured (the graphs a larger budget captures before a refusal hold more, so a floor counting
+        those would be refused again)."""
+        lent = self.lending.largest
+        if self.tiles is not None:
+            lent = min(lent, self.tiles.lending_in_tiles(0).largest)
+        before_capture = replace(self.memory, graph_bytes=0, capture_reserve=0)
+        return before_capture.need(activations=activations, in_flight=lent)
 
     def _let_go_of_graphs_weights(self, spare: int) -> HeldBytes:
         """Stop keeping weights, the last first, until ``-spare`` bytes more are free; the bytes kept then."""
@@ -232,6 +240,7 @@ class Deferral:
         refused."""
         if not self.new_graphs_refused:
             report("calls no graph serves run as eager code where they fit from now on: %s", refusal)
+        self.eager_floor = None  # another call's: sized again where this one does not fit
         self.new_graphs_refused = True
         self.refused_kinds.add(kind)
 
@@ -274,8 +283,18 @@ class Deferral:
     def or_eagerly(self, refusal: BudgetTooSmallError) -> BudgetTooSmallError:
         """A refusal of a call captured because it did not fit as eager code: where that eager call
         needed less than the capture (a small model whose graphs' state outweighs its weights), the
-        refusal names that budget too, the smallest that runs (as eager calls)."""
+        refusal names that budget too, the smallest that runs (as eager calls); under first-call capture,
+        as deferred capture's budget, capture's staying the one named to work."""
         floor, budget = self.eager_floor, self.memory.budget
+        if floor is not None and not self.deferred_capture and floor < refusal.smallest_budget:
+            # first-call capture's own budget stays the one named to work: at a larger one, the graphs
+            # captured before a refusal hold more than at this one
+            budget_named = f"{self.memory.budget_name}={max(floor, budget or 0)}"
+            return BudgetTooSmallError(
+                f'{refusal}; or pass capture="deferred" and {budget_named} or more to run its calls as eager '
+                "code, each module lent its weights in turn (captured for speed only where that fits)",
+                smallest_budget=refusal.smallest_budget,
+            )
         # a floor the budget already meets is another call's: eager calls did not serve this one
         if floor is None or floor >= refusal.smallest_budget or (budget is not None and floor <= budget):
             return refusal

@@ -84,6 +84,14 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
             inputs: _InputVersions | None = None
             ran_before = (engine.stats.runs, engine.stats.pieces_run)
             capturing = False
+
+            def runs_again() -> bool:
+                # graphs of this call may have run before a later one was refused (graph breaks): a call
+                # whose inputs they could not change (no cache passed in, no tensor written to) may be
+                # run again whole as eager code; what they did to a cache cannot be undone
+                ran = (engine.stats.runs, engine.stats.pieces_run) != ran_before
+                return not ran or (inputs is not None and inputs.unchanged())
+
             try:
                 deferral = engine.deferral
                 if engine.eager_depth:
@@ -106,7 +114,8 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                     ):
                         return _run_eagerly(engine, eager, target, original, args, kwargs)
                 engine.call_started = time.perf_counter()
-                if deferral.by_choice:  # read only where a capture for speed may be refused midway
+                if deferral.by_choice or (engine.cohort is None and not engine.captures.graphs_expected):
+                    # read only where a refused capture may run the call again as eager code
                     inputs = _InputVersions.of(args, kwargs)
                 capturing = True
                 with compile_cache.running(engine):
@@ -118,11 +127,7 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                 refused = inner if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed) else exc
                 if capturing and engine.deferral.by_choice and isinstance(refused, BudgetTooSmallError):
                     engine.deferral.stay_eager(refused)  # captured for speed, which this budget cannot give
-                    # graphs of this call may have run before a later one was refused (graph breaks): a
-                    # call whose inputs they could not change (no cache passed in, no tensor written to)
-                    # is run again whole as eager code; what they did to a cache cannot be undone
-                    ran = (engine.stats.runs, engine.stats.pieces_run) != ran_before
-                    if not ran or (inputs is not None and inputs.unchanged()):
+                    if runs_again():
                         return _run_eagerly(engine, eager, target, original, args, kwargs)
                     raise CallStoppedMidway(
                         f"{refused}. This call was being captured for speed and part of it had run when a "
@@ -136,7 +141,7 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                     and isinstance(refused, BudgetTooSmallError)
                     and engine.cohort is None
                     and not engine.captures.graphs_expected  # a generate's: micro-batches, or its cache on disk
-                    and ((engine.stats.runs, engine.stats.pieces_run) == ran_before or inputs.unchanged())
+                    and runs_again()
                 ):
                     # a kind of call whose capture the budget refuses (beside the graphs held, if any): as
                     # eager code where its bound fits, and later ones too, as a call no graph serves in

@@ -9,6 +9,7 @@ import torch
 
 import fxoffload_hf
 import fxoffload_hf.deferral
+from fxoffload_hf import BudgetTooSmallError
 from fxoffload_hf.eager_fallback import EagerFallbackWarning
 from fxoffload_hf.eager_memory import eager_call_bytes
 from fxoffload_hf.planner import kept_bytes
@@ -266,17 +267,19 @@ def test_where_capture_would_need_more_than_the_budget_calls_stay_eager(small_ll
     between the two floors, capture chosen for speed is refused by the budget, and the calls go on
     eagerly and exactly, without trying again."""
     model, x, expected = small_llama
-    with pytest.raises(ValueError) as info:  # the captured floor, named at the first captured call
-        fxoffload_hf.offload(model, gpu_memory=1, device="cpu")
-    captured_floor = None
-    budget = int(str(info.value).rsplit("gpu_memory=", 1)[1].split()[0])
+    captured_floor, budget = None, 1  # the captured floor, named by first-call capture's refusals
     while captured_floor is None:
-        fxoffload_hf.offload(model, gpu_memory=budget, device="cpu", capture="first-call")
+        try:
+            fxoffload_hf.offload(model, gpu_memory=budget, device="cpu", capture="first-call")
+        except BudgetTooSmallError as refusal:  # refused before any call
+            budget = refusal.smallest_budget
+            continue
         try:
             logits(model, x)
+            assert fxoffload_hf.engine_of(model).stats.eager_calls == 0  # captured, not run as eager code
             captured_floor = budget
-        except ValueError as refusal:
-            budget = int(str(refusal).rsplit("gpu_memory=", 1)[1].split()[0])
+        except BudgetTooSmallError as refusal:
+            budget = refusal.smallest_budget
         finally:
             fxoffload_hf.restore(model)
     fxoffload_hf.offload(model, gpu_memory=captured_floor - 1, device="cpu", capture="deferred")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import fxoffload_hf
+from fxoffload_hf import BudgetTooSmallError
 from fxoffload_hf.weight_record import Tier
 
 # mlp, small_llama, logits, snapshot_params, assert_not_offloaded: conftest.py
@@ -74,14 +75,22 @@ def test_budget_named_at_the_first_call_is_the_smallest_that_works(small_llama, 
     # the smallest budget the refusal names (its message may name capture's first, then eager code's)
     smallest = info.value.smallest_budget
     assert smallest > up_front and f"pass gpu_memory={smallest}" in str(info.value)
-    for budget, works in ((smallest, True), (smallest - 1, False)):
+    for budget, captured in ((smallest, True), (smallest - 1, False)):
         fxoffload_hf.offload(model, gpu_memory=budget, device="cpu")
+        engine = fxoffload_hf.engine_of(model)
         try:
-            if works:
-                assert torch.equal(logits(model, x), expected)
+            if captured:
+                assert torch.equal(logits(model, x), expected) and engine.stats.eager_calls == 0
+                continue
+            # one byte less, capture is refused: the call runs as eager code where that fits, or the
+            # refusal names the same budget
+            try:
+                got = logits(model, x)
+            except BudgetTooSmallError as refused:
+                assert f"pass gpu_memory={smallest}" in str(refused)
             else:
-                with pytest.raises(Exception, match=f"pass gpu_memory={smallest}"):  # noqa: B017
-                    logits(model, x)
+                assert torch.equal(got, expected) and engine.stats.eager_calls == 1
+                assert engine.deferral.new_graphs_refused and engine.memory.graph_bytes == 0
         finally:
             fxoffload_hf.restore(model)
 
