@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
+from fxoffload_hf.capture_forecast import CaptureForecast
 from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, format_bytes
 from fxoffload_hf.progress import report
 from fxoffload_hf.stats import Stats
@@ -36,15 +37,6 @@ from fxoffload_hf.weights import HeldBytes, WeightStore
 # neighbours once per graph, and generate captures two. Measured here on a 10-layer Llama (72 such
 # modules): about 7.5 s for both graphs, 0.1 s a module.
 _CAPTURE_SECONDS_PER_MODULE_CALL = 0.1
-# A captured graph's nodes per torch operation its eager call ran, at least (``eager_ops``; measured on
-# twelve architectures, dense, mixtures of experts and Mamba, prefill and decode: 0.80 to 1.04): below
-# it, a capture's state is not overestimated, so no capture that could fit is skipped.
-_GRAPH_NODES_PER_OP = 0.75
-# Eager calls count their operations in the first few calls, then in one call of so many: a kind of
-# call keeps its graph's size, and counting costs each operation about 2 us (a Python call per operation,
-# several percent of a decode step whose weights are cached).
-_COUNTED_FIRST = 4
-_COUNTED_EVERY = 16
 
 
 @dataclass(frozen=True)
@@ -92,9 +84,8 @@ class Deferral:
         # keeps none for eager calls
         self.counts_ram = counts_ram
         self.stats = stats
-        # the budget counts captured graphs' state (``CaptureBudget.in_budget``): a capture can be seen
-        # not to fit before it is traced (``capture_cannot_fit``)
-        self.counts_graph_state = counts_graph_state
+        # whether a capture surely cannot fit, from the operations eager calls ran (``eager_ops``)
+        self.forecast = CaptureForecast(counts_graph_state)
         self.offload_folder = offload_folder  # where weights held only in RAM go to make room (``config``)
         self.lending = Lending()  # how eager calls are lent weights now
         # where projections can be computed in tiles (``eager_tiles``), sized for the room beside a call:
@@ -111,9 +102,6 @@ class Deferral:
         self._largest_need = 0  # the largest bound of an eager call so far
         self._eager_seconds = 0.0
         self._most_module_calls = 0  # lent in one eager call, at most
-        # torch operations the last two eager calls counted ran (``eager_ops``), and the calls counted
-        self._recent_ops: tuple[int, ...] = ()
-        self._calls_counted = 0
         # a capture of a call no graph served was refused for the budget: such calls run eagerly where
         # they fit, in either capture mode, and are not captured for speed again (``refused_new_graph``);
         # the kinds of call refused (``entries.call_kind``: a graph of the frame they enter may serve them,
@@ -154,7 +142,7 @@ class Deferral:
                 self.in_flight_room = in_flight if self.counts_ram else None
                 return True
             self.eager_floor = self._eager_floor(activations)
-            least = self.capture_cannot_fit(expected=expected, transient=False)
+            least = self.forecast.least_to_capture(self.memory, expected=expected, transient=False)
             if least is not None and self.eager_floor <= least:
                 raise self._too_small_to_capture(need, least, self.eager_floor)
         detail = (
@@ -248,12 +236,11 @@ class Deferral:
         """An entry point's call ran eagerly, ``ops`` torch operations in all: capture from the next call
         on once the eager calls took about what capture is estimated to cost (when the estimate is right,
         the time lost against the better choice in hindsight is at most capture's cost), unless such a
-        capture cannot fit the budget (``capture_cannot_fit``)."""
+        capture cannot fit the budget (``CaptureForecast.least_to_capture``)."""
         self.stats.eager_calls += 1
         self._most_module_calls = max(self._most_module_calls, module_calls)
         if ops:
-            self._recent_ops = (*self._recent_ops[-1:], ops)
-            self._calls_counted += 1
+            self.forecast.counted(ops)
         if not self.on:  # a call no graph served (``runs_uncaptured``)
             self._uncaptured_calls += 1
             self._uncaptured_seconds += seconds
@@ -320,41 +307,15 @@ class Deferral:
         self._let_go(0)
         report("%s", why)
 
-    @property
-    def predicts_captures(self) -> bool:
-        """Whether a capture may be seen not to fit before it is traced (``capture_cannot_fit``): where the
-        budget counts graphs' state; eager calls count their operations only then."""
-        return self.counts_graph_state and self.memory.budget is not None
-
     def counts_this_call(self) -> bool:
-        """Whether the next eager call counts its operations (``eager_ops``): where captures are
-        predicted, the first ``_COUNTED_FIRST`` calls, then one in ``_COUNTED_EVERY``."""
-        if not self.predicts_captures:
-            return False
-        return self._calls_counted < _COUNTED_FIRST or self.stats.eager_calls % _COUNTED_EVERY == 0
-
-    def capture_cannot_fit(self, *, expected: int = 0, transient: bool = True) -> int | None:
-        """Where capturing a call like the recent eager ones surely needs more than the budget, the least
-        it would need: its graph's state (from the operations those calls ran, ``eager_ops``) beside what
-        is counted now and ``expected`` bytes of a generate's KV caches (a captured call's activations are
-        at least those), with no weights; with ``transient``, also the capture's transient as large as the
-        state (as the engine counts it for one graph: a call dynamo splits into several holds each graph's
-        in turn, so only the bound without it is sure for every call). None where it may fit, or nothing
-        tells (the budget does not count graphs' state, no call was counted)."""
-        budget = self.memory.budget
-        if not self.predicts_captures or budget is None or not self._recent_ops:
-            return None
-        captured = self.memory.with_graph(self._predicted_nodes())
-        if not transient:
-            captured = captured.with_capture_reserve(0)
-        least = captured.need(activations=expected)
-        return least if least > budget else None
+        """Whether the next eager call counts its operations (``CaptureForecast.counts``)."""
+        return self.forecast.counts(self.memory, self.stats.eager_calls)
 
     def _cannot_capture(self, why: str) -> bool:
-        """Whether a capture chosen ``why`` surely cannot fit (``capture_cannot_fit``): then calls go on
+        """Whether a capture chosen ``why`` surely cannot fit (``CaptureForecast``): then calls go on
         eagerly, and capture is not chosen for speed again (nothing is traced: a refused capture costs
         its tracing and leaves host memory behind)."""
-        least = self.capture_cannot_fit()
+        least = self.forecast.least_to_capture(self.memory)
         if least is None:
             return False
         self.refused = True
@@ -363,7 +324,7 @@ class Deferral:
             "not capturing %s: a graph of about %d ops would need at least %s for its state and its capture "
             "beside what is counted, more than %s=%s; calls go on eagerly",
             why,
-            self._predicted_nodes(),
+            self.forecast.predicted_nodes(),
             format_bytes(least),
             self.memory.budget_name,
             format_bytes(self.memory.budget),
@@ -378,18 +339,12 @@ class Deferral:
             f"{name}={format_bytes(self.memory.budget)} is too small for this call: as eager code its "
             f"activations (at most {format_bytes(need)}) and the largest module's weights "
             f"({self.lending.largest_name}: {format_bytes(self.lending.largest)}) need {format_bytes(floor)}, "
-            f"and captured, a graph of about {self._predicted_nodes()} ops would need at least "
+            f"and captured, a graph of about {self.forecast.predicted_nodes()} ops would need at least "
             f"{format_bytes(least)} with its state. Pass {name}={floor} or more to run its "
             "calls as eager code, each module lent its weights in turn, or call it with a smaller batch or "
             "shorter inputs",
             smallest_budget=floor,
         )
-
-    def _predicted_nodes(self) -> int:
-        """The fewest nodes the graph of a call like the recent eager ones would have: of the fewer of the
-        last two (a generate's prefill and decode steps run different code in some models), at
-        ``_GRAPH_NODES_PER_OP``."""
-        return int(min(self._recent_ops, default=0) * _GRAPH_NODES_PER_OP)
 
     def _graph_capture_seconds(self) -> float:
         """Capture's estimated cost of one graph (``_CAPTURE_SECONDS_PER_MODULE_CALL`` is for two), from the

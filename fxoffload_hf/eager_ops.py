@@ -3,9 +3,9 @@
 A captured graph holds host memory in proportion to its nodes (``memory_model.graph_state_bytes``), and
 a graph has about one node per torch function or tensor method its code calls, the eager fallback's own
 lending left out (``uncounted``; 0.80 to 1.04 nodes per operation on twelve architectures:
-``deferral._GRAPH_NODES_PER_OP``). Counting an eager
+``capture_forecast._GRAPH_NODES_PER_OP``). Counting an eager
 call's operations tells, before anything is traced, whether capturing that call could fit the budget at
-all (``Deferral.capture_cannot_fit``): a capture the budget then refuses would have cost its tracing
+all (``CaptureForecast.least_to_capture``): a capture the budget then refuses would have cost its tracing
 time and left host memory behind that nothing gives back (about 100 MiB after a 15-layer model's).
 """
 

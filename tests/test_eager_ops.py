@@ -7,6 +7,7 @@ import torch
 
 import fxoffload_hf
 import fxoffload_hf.deferral
+from fxoffload_hf import capture_forecast
 from fxoffload_hf.eager_ops import OpCounter, uncounted
 
 
@@ -41,10 +42,10 @@ def test_a_captured_graph_has_at_least_the_assumed_nodes_per_operation_counted(
     try:
         monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
         assert torch.equal(logits(model, ids), logits(eager, ids))  # eager, counted; capture next
-        (ops,) = engine.deferral._recent_ops
+        (ops,) = engine.deferral.forecast.recent_ops
         assert torch.equal(logits(model, ids), logits(eager, ids))  # captured
         (captured,) = backend_calls
-        assert ops > 0 and captured >= fxoffload_hf.deferral._GRAPH_NODES_PER_OP * ops
+        assert ops > 0 and captured >= capture_forecast._GRAPH_NODES_PER_OP * ops
     finally:
         fxoffload_hf.restore(model)
 
@@ -56,7 +57,7 @@ def test_eager_calls_count_the_first_few_calls_then_one_in_so_many(tmp_path, sav
     save_checkpoint("llama", tmp_path)
     ids = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 1e9)  # no capture
-    first, every = fxoffload_hf.deferral._COUNTED_FIRST, fxoffload_hf.deferral._COUNTED_EVERY
+    first, every = capture_forecast._COUNTED_FIRST, capture_forecast._COUNTED_EVERY
     for budget, counted in (("1GiB", first + 1), (None, 0)):
         model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=budget, device="cpu", capture="deferred")
         try:
@@ -64,6 +65,6 @@ def test_eager_calls_count_the_first_few_calls_then_one_in_so_many(tmp_path, sav
                 for _ in range(every + 1):
                     model(ids)
             deferral = fxoffload_hf.engine_of(model).deferral
-            assert deferral.stats.eager_calls == every + 1 and deferral._calls_counted == counted
+            assert deferral.stats.eager_calls == every + 1 and deferral.forecast.calls_counted == counted
         finally:
             fxoffload_hf.restore(model)
