@@ -114,7 +114,7 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                     ):
                         return _run_eagerly(engine, eager, target, original, args, kwargs)
                 engine.call_started = time.perf_counter()
-                if deferral.by_choice or (engine.cohort is None and not engine.captures.graphs_expected):
+                if deferral.by_choice or engine.cohort is None:
                     # read only where a refused capture may run the call again as eager code
                     inputs = _InputVersions.of(args, kwargs)
                 capturing = True
@@ -140,12 +140,12 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                     capturing
                     and isinstance(refused, BudgetTooSmallError)
                     and engine.cohort is None
-                    and not engine.captures.graphs_expected  # a generate's: micro-batches, or its cache on disk
                     and runs_again()
                 ):
                     # a kind of call whose capture the budget refuses (beside the graphs held, if any): as
                     # eager code where its bound fits, and later ones too, as a call no graph serves in
-                    # the default mode is
+                    # the default mode is (a generate's step with its KV cache expected: where that does
+                    # not fit, the generate runs in micro-batches, or its cache on disk)
                     engine.deferral.refused_new_graph(refused, call_kind(args, kwargs))
                     need = eager_call_bytes(target, args, kwargs)
                     if engine.deferral.runs_uncaptured(need, engine.expected_activations):

@@ -12,6 +12,7 @@ import fxoffload_hf.deferral
 from fxoffload_hf import BudgetTooSmallError
 from fxoffload_hf.eager_fallback import EagerFallbackWarning
 from fxoffload_hf.eager_memory import eager_call_bytes
+from fxoffload_hf.generate_memory import KVCacheOnDiskWarning
 from fxoffload_hf.planner import kept_bytes
 
 
@@ -555,5 +556,34 @@ def test_a_kind_of_call_whose_capture_the_budget_refuses_runs_eagerly(
                 assert len(second_graph_refused) == 2 and len(engine.runners) == 1
                 assert engine.deferral.new_graphs_refused and engine.stats.eager_calls == calls
             assert torch.equal(model(ids).logits, expected.logits) and engine.stats.eager_calls == 2
+    finally:
+        fxoffload_hf.restore(model)
+
+
+@pytest.mark.parametrize("capture", ["first-call", "deferred"])
+def test_a_generate_whose_capture_the_budget_refuses_runs_as_eager_calls(
+    capture, tmp_path, save_checkpoint, monkeypatch, second_graph_refused
+):
+    """Beside a captured forward, the budget refuses the graph of a generate's first step (as a graph's
+    state can be, which neither micro-batches nor its cache on disk make smaller): where its steps fit
+    as eager code with their KV cache, the generate runs so, its tokens eager's, no graph captured for
+    it (not its cache moved to disk, nor a graph traced again)."""
+    eager = save_checkpoint("llama", tmp_path)
+    ids = torch.randint(1, 1000, (2, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = eager.generate(ids, max_new_tokens=4, do_sample=False)
+        logits = eager(ids).logits
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="3MiB", device="cpu", capture=capture)
+    engine = fxoffload_hf.engine_of(model)
+    if capture == "deferred":  # and a call no graph serves captured at once, not run eagerly first
+        engine.deferral.end("a test's: as if the first call had not fit as eager code", by_choice=False)
+        monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", KVCacheOnDiskWarning)
+            assert torch.equal(model(ids).logits, logits) and len(engine.runners) == 1
+            assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
+        assert len(second_graph_refused) == 2 and len(engine.runners) == 1
+        assert engine.deferral.new_graphs_refused and engine.stats.eager_calls == 4  # a call a token
     finally:
         fxoffload_hf.restore(model)
