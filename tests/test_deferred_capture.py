@@ -529,6 +529,18 @@ def test_a_capture_for_speed_refused_midway_does_not_run_again_a_call_that_wrote
     assert model.first_parts_run == [1] and engine.deferral.refused
 
 
+def _captured_from_the_first_call(folder, capture: str, monkeypatch) -> torch.nn.Module:
+    """The checkpoint in ``folder`` offloaded at 3 MiB under ``capture``, its calls captured from the
+    first (deferred capture: as if the first call had not fit as eager code, and a call no graph serves
+    captured at once, not run eagerly first)."""
+    model = fxoffload_hf.from_pretrained(folder, cpu_memory="3MiB", device="cpu", capture=capture)
+    if capture == "deferred":
+        deferral = fxoffload_hf.engine_of(model).deferral
+        deferral.end("a test's: as if the first call had not fit as eager code", by_choice=False)
+        monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
+    return model
+
+
 @pytest.mark.parametrize("capture", ["first-call", "deferred"])
 def test_a_kind_of_call_whose_capture_the_budget_refuses_runs_eagerly(
     capture, tmp_path, save_checkpoint, monkeypatch, second_graph_refused
@@ -541,11 +553,8 @@ def test_a_kind_of_call_whose_capture_the_budget_refuses_runs_eagerly(
     ids = torch.randint(1, 1000, (2, 6), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         expected = eager(ids, output_hidden_states=True)
-    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="3MiB", device="cpu", capture=capture)
+    model = _captured_from_the_first_call(tmp_path, capture, monkeypatch)
     engine = fxoffload_hf.engine_of(model)
-    if capture == "deferred":  # and a call no graph serves captured at once, not run eagerly first
-        engine.deferral.end("a test's: as if the first call had not fit as eager code", by_choice=False)
-        monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
     try:
         with torch.no_grad():
             assert torch.equal(model(ids).logits, expected.logits) and len(engine.runners) == 1
@@ -573,11 +582,8 @@ def test_a_generate_whose_capture_the_budget_refuses_runs_as_eager_calls(
     with torch.no_grad():
         expected = eager.generate(ids, max_new_tokens=4, do_sample=False)
         logits = eager(ids).logits
-    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="3MiB", device="cpu", capture=capture)
+    model = _captured_from_the_first_call(tmp_path, capture, monkeypatch)
     engine = fxoffload_hf.engine_of(model)
-    if capture == "deferred":  # and a call no graph serves captured at once, not run eagerly first
-        engine.deferral.end("a test's: as if the first call had not fit as eager code", by_choice=False)
-        monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("error", KVCacheOnDiskWarning)
