@@ -276,10 +276,11 @@ class Deferral:
         if floor is not None and not self.deferred_capture and floor < refusal.smallest_budget:
             # first-call capture's own budget stays the one named to work: at a larger one, the graphs
             # captured before a refusal hold more than at this one
-            budget_named = f"{self.memory.budget_name}={max(floor, budget or 0)}"
+            name = self.memory.budget_name
+            budget_named = "at this budget" if budget and floor <= budget else f"and {name}={floor} or more"
             return BudgetTooSmallError(
-                f'{refusal}; or pass capture="deferred" and {budget_named} or more to run its calls as eager '
-                "code, each module lent its weights in turn (captured for speed only where that fits)",
+                f'{refusal}; or pass capture="deferred" {budget_named} to run its calls as eager code, each '
+                "module lent its weights in turn (captured for speed only where that fits)",
                 smallest_budget=refusal.smallest_budget,
             )
         # a floor the budget already meets is another call's: eager calls did not serve this one

@@ -71,3 +71,12 @@ def test_the_budget_a_refusal_names_runs_a_call_cut_into_many_graphs(tmp_path, m
     assert graphs > 4  # cut at every layer
     with torch.no_grad():
         assert torch.equal(got, eager(ids).logits)
+    # the refusal names the other way too: deferred capture at the budget refused runs it as eager code
+    assert 'capture="deferred" at this budget' in str(refusals[0])
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=1_000_000, device="cpu", capture="deferred")
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, got)
+        assert fxoffload_hf.engine_of(model).stats.eager_calls == 1
+    finally:
+        fxoffload_hf.restore(model)
