@@ -191,7 +191,8 @@ class Deferral:
             # the graphs' plan kept what the budget left: let go of weights (the last first) for a call
             # no graph can serve; the next captured call plans again (``Engine.current``). Where it still
             # does not fit, the refusal of its capture names the budget it needs (``or_eagerly``)
-            kept = self._let_go_of_graphs_weights(spare)
+            resident = [r.name for r in self.store.records.values() if r.resident is not None]
+            kept = self._let_go(kept.total + spare, resident)
             spare = budget - self.memory.need(activations=activations, resident=kept.total, in_flight=lent)
             if spare < 0:
                 self.eager_floor = self._eager_floor(activations)
@@ -210,16 +211,6 @@ class Deferral:
             lent = min(lent, self.tiles.lending_in_tiles(0).largest)
         before_capture = replace(self.memory, graph_bytes=0, capture_reserve=0)
         return before_capture.need(activations=activations, in_flight=lent)
-
-    def _let_go_of_graphs_weights(self, spare: int) -> HeldBytes:
-        """Stop keeping weights, the last first, until ``-spare`` bytes more are free; the bytes kept then."""
-        kept = [r for r in self.store.records.values() if r.resident is not None]
-        held = HeldBytes(self.store, kept)
-        target = held.total + spare
-        while kept and held.total > target:
-            self.store.evict(kept.pop().name)
-            held = HeldBytes(self.store, [r for r in kept if r.resident is not None])
-        return held
 
     def refused_new_graph(self, refusal: BudgetTooSmallError, kind: object) -> None:
         """The budget refused the capture of a call of ``kind`` (its graph's state or activations beside
@@ -396,11 +387,13 @@ class Deferral:
         report("weights held only in RAM written to disk: they left an eager call no room")
         return True
 
-    def _let_go(self, room: int) -> HeldBytes:
-        """Stop keeping the weights kept last until those kept fit ``room`` bytes; the bytes kept then."""
+    def _let_go(self, room: int, kept: list[str] | None = None) -> HeldBytes:
+        """Stop keeping the weights last in ``kept`` (where None, those kept for eager calls) until the
+        weights kept fit ``room`` bytes; the bytes kept then."""
+        order = self._kept if kept is None else kept
         while True:
-            kept = {id(r): r for r in self.store.records.values() if r.resident is not None}
-            held = HeldBytes(self.store, list(kept.values()))
-            if not self._kept or held.total <= room:
+            resident = {id(r): r for r in self.store.records.values() if r.resident is not None}
+            held = HeldBytes(self.store, list(resident.values()))
+            if not order or held.total <= room:
                 return held
-            self.store.evict(self._kept.pop())
+            self.store.evict(order.pop())

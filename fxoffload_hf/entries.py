@@ -104,7 +104,10 @@ def _wrap_entry(model: nn.Module, entry: str, engine: Engine, eager: EagerWeight
                     not deferral.on
                     and ((deferral.deferred_capture and graphs) or deferral.new_graphs_refused)
                     and engine.cohort is None
-                    and (call_kind(args, kwargs) in deferral.refused_kinds or not served(args, kwargs))
+                    and (  # a call's kind is read only once a kind was refused (it walks every argument)
+                        (deferral.refused_kinds and call_kind(args, kwargs) in deferral.refused_kinds)
+                        or not served(args, kwargs)
+                    )
                 )
                 if deferral.on or uncaptured:
                     need = eager_call_bytes(target, args, kwargs)
