@@ -404,6 +404,23 @@ def deferred_refusal():
     return refusal
 
 
+@pytest.fixture
+def deferred_run():
+    """``deferred_run(folder, budget, ids)``: the logits a causal LM from ``folder``, offloaded at ``budget``
+    with deferred capture, gives for ``ids``, and the eager calls its engine ran; the model restored
+    afterwards."""
+
+    def run(folder: Path, budget, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        model = fxoffload_hf.from_pretrained(folder, cpu_memory=budget, device="cpu", capture="deferred")
+        try:
+            got = causal_logits(model, ids)
+            return got, fxoffload_hf.engine_of(model).stats.eager_calls
+        finally:
+            fxoffload_hf.restore(model)
+
+    return run
+
+
 @pytest.fixture(autouse=True)
 def capture_not_chosen_by_the_clock(monkeypatch) -> None:
     """Deferred capture ends when eager calls have taken about what capture is estimated to cost: a

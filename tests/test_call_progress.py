@@ -39,7 +39,9 @@ class _BreakingMLP(transformers.models.llama.modeling_llama.LlamaMLP):
 
 
 @pytest.mark.usefixtures("counted_graph_state")
-def test_the_budget_a_refusal_names_runs_a_call_cut_into_many_graphs(tmp_path, monkeypatch) -> None:
+def test_the_budget_a_refusal_names_runs_a_call_cut_into_many_graphs(
+    tmp_path, monkeypatch, deferred_run
+) -> None:
     """A call that dynamo cuts into graphs at every layer, refused at its first graphs for their state,
     names a budget that runs it whole (not one refused again a few graphs later)."""
     from fxoffload_hf.align import align_shards_in_place
@@ -73,10 +75,5 @@ def test_the_budget_a_refusal_names_runs_a_call_cut_into_many_graphs(tmp_path, m
         assert torch.equal(got, eager(ids).logits)
     # the refusal names the other way too: deferred capture at the budget refused runs it as eager code
     assert 'capture="deferred" at this budget' in str(refusals[0])
-    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=1_000_000, device="cpu", capture="deferred")
-    try:
-        with torch.no_grad():
-            assert torch.equal(model(ids).logits, got)
-        assert fxoffload_hf.engine_of(model).stats.eager_calls == 1
-    finally:
-        fxoffload_hf.restore(model)
+    eagerly, eager_calls = deferred_run(tmp_path, 1_000_000, ids)
+    assert torch.equal(eagerly, got) and eager_calls == 1

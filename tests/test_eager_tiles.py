@@ -70,7 +70,7 @@ def test_a_head_too_large_to_lend_whole_runs_eagerly_in_tiles_bit_for_bit(
 
 @pytest.mark.parametrize("data_start", [0, 8])
 def test_eager_tiles_mapped_from_their_file_or_copied_equal_eager(
-    tmp_path, save_checkpoint, tile_holds, data_start
+    tmp_path, save_checkpoint, tile_holds, data_start, deferred_run
 ):
     """A tile lent as a view of its file's pages is mapped into the whole-shaped buffer where its weight
     lies 16-byte aligned (``hold_file``), else copied (``hold``): eager's logits bit for bit either way."""
@@ -79,13 +79,8 @@ def test_eager_tiles_mapped_from_their_file_or_copied_equal_eager(
     ids = torch.randint(0, 32000, (1, 8), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = eager(ids).logits
-    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory=_TABLE // 3, device="cpu", capture="deferred")
-    try:
-        with torch.no_grad():
-            assert torch.equal(model(ids).logits, expected)
-        assert fxoffload_hf.engine_of(model).stats.eager_calls == 1
-    finally:
-        fxoffload_hf.restore(model)
+    got, eager_calls = deferred_run(tmp_path, _TABLE // 3, ids)
+    assert torch.equal(got, expected) and eager_calls == 1
     assert tile_holds and set(tile_holds) == ({"hold_file"} if data_start == 0 else {"hold"})
 
 
