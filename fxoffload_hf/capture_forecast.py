@@ -1,13 +1,14 @@
-"""Whether capturing a call like the recent eager ones could fit the budget at all, told before anything
-is traced: a captured graph holds host memory in proportion to its nodes
-(``memory_model.graph_state_bytes``), and has at least ``_GRAPH_NODES_PER_OP`` nodes per torch operation
-its eager call ran (``eager_ops``). A capture the budget then refuses would have cost its tracing and
-left host memory behind; counting costs each operation a Python call, so only some eager calls count.
+"""Whether capturing a call like the recent eager ones could fit the budget at all, and whether a capture
+chosen for speed would hold more than its share of it (``SPEED_STATE_SHARE``), told before anything is
+traced: a captured graph holds host memory in proportion to its nodes (``memory_model.graph_state_bytes``),
+and has at least ``_GRAPH_NODES_PER_OP`` nodes per torch operation its eager call ran (``eager_ops``). A
+capture the budget then refuses would have cost its tracing and left host memory behind; counting costs
+each operation a Python call, so only some eager calls count.
 """
 
 from __future__ import annotations
 
-from fxoffload_hf.memory_model import MemoryModel
+from fxoffload_hf.memory_model import MemoryModel, format_bytes
 
 # A captured graph's nodes per torch operation its eager call ran, at least (``eager_ops``; measured on
 # twelve architectures, dense, mixtures of experts and Mamba, prefill and decode: 0.80 to 1.04): below
@@ -18,6 +19,12 @@ _GRAPH_NODES_PER_OP = 0.75
 # several percent of a decode step whose weights are cached).
 _COUNTED_FIRST = 4
 _COUNTED_EVERY = 16
+# Captures chosen for speed hold at most this share of the budget in graphs' state: tracing leaves that
+# host memory behind for good (measured on an 8-layer Llama: 82% of its graph's state stays after the
+# graph is dropped and dynamo reset), and later calls may need the rest as eager code. A tiny model's
+# graphs hold as much as its weights: Falcon at hidden 256 captured a forward for speed, holding 42% of a
+# 17 MiB budget, then a beam search that fitted that budget as eager code no longer fitted beside it.
+SPEED_STATE_SHARE = 0.25
 
 
 class CaptureForecast:
@@ -65,6 +72,36 @@ class CaptureForecast:
             captured = captured.with_capture_reserve(0)
         least = captured.need(activations=expected)
         return least if least > budget else None
+
+    def state_for_speed(self, memory: MemoryModel) -> int | None:
+        """Where a capture chosen for speed of a call like the recent eager ones would bring the graphs'
+        state above ``SPEED_STATE_SHARE`` of ``memory``'s budget, that state (at the fewest nodes
+        predicted); None where it stays within it, or nothing tells."""
+        budget = memory.budget
+        if not self.predicts(memory) or budget is None or not self.recent_ops:
+            return None
+        state = memory.with_graph(self.predicted_nodes()).graph_bytes
+        return state if state > SPEED_STATE_SHARE * budget else None
+
+    def against_speed(self, memory: MemoryModel) -> str | None:
+        """Why a capture chosen for speed of a call like the recent eager ones is not taken: it surely
+        cannot fit ``memory``'s budget (``least_to_capture``), or would bring the graphs' state above
+        ``SPEED_STATE_SHARE`` of it (``state_for_speed``); None where neither holds, or nothing tells."""
+        graph = f"a graph of about {self.predicted_nodes()} ops"
+        budget = f"{memory.budget_name}={format_bytes(memory.budget)}"
+        least = self.least_to_capture(memory)
+        if least is not None:
+            return (
+                f"{graph} would need at least {format_bytes(least)} for its state and its capture beside "
+                f"what is counted, more than {budget}"
+            )
+        state = self.state_for_speed(memory)
+        if state is not None:
+            return (
+                f"{graph} would bring the captured graphs' state to {format_bytes(state)}, more than "
+                f"{SPEED_STATE_SHARE:.0%} of {budget}"
+            )
+        return None
 
     def predicted_nodes(self) -> int:
         """The fewest nodes the graph of a call like the recent eager ones would have: of the fewer of the

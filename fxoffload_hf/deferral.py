@@ -304,23 +304,16 @@ class Deferral:
         return self.forecast.counts(self.memory, self.stats.eager_calls)
 
     def _cannot_capture(self, why: str) -> bool:
-        """Whether a capture chosen ``why`` surely cannot fit (``CaptureForecast``): then calls go on
-        eagerly, and capture is not chosen for speed again (nothing is traced: a refused capture costs
-        its tracing and leaves host memory behind)."""
-        least = self.forecast.least_to_capture(self.memory)
-        if least is None:
+        """Whether a capture chosen ``why`` (for speed) surely cannot fit, or would hold more than its
+        share of the budget in graphs' state (``CaptureForecast.against_speed``): then calls go on
+        eagerly, and capture is not chosen for speed again (nothing is traced: a capture costs its
+        tracing and leaves host memory behind)."""
+        against = self.forecast.against_speed(self.memory)
+        if against is None:
             return False
         self.refused = True
         self._uncaptured_calls, self._uncaptured_seconds = 0, 0.0
-        report(
-            "not capturing %s: a graph of about %d ops would need at least %s for its state and its capture "
-            "beside what is counted, more than %s=%s; calls go on eagerly",
-            why,
-            self.forecast.predicted_nodes(),
-            format_bytes(least),
-            self.memory.budget_name,
-            format_bytes(self.memory.budget),
-        )
+        report("not capturing %s: %s; calls go on eagerly", why, against)
         return True
 
     def _too_small_to_capture(self, need: int, least: int, floor: int) -> BudgetTooSmallError:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fxoffload_hf
+import fxoffload_hf.capture_forecast
 import fxoffload_hf.deferral
 from fxoffload_hf import BudgetTooSmallError
 from fxoffload_hf.eager_fallback import EagerFallbackWarning
@@ -394,6 +395,35 @@ def test_a_call_that_surely_cannot_be_captured_is_refused_before_anything_is_tra
         assert torch.equal(logits(model, batch), logits(eager, batch))
     finally:
         fxoffload_hf.restore(model)
+
+
+@pytest.mark.usefixtures("counted_graph_state")
+def test_a_capture_for_speed_that_would_hold_more_than_its_share_of_the_budget_is_not_taken(
+    tmp_path, save_checkpoint, logits, monkeypatch, backend_calls, report_lines
+):
+    """A graph's state is host memory kept for good: a capture chosen for speed that would hold more than
+    ``SPEED_STATE_SHARE`` of the budget in graphs' state is not taken, though it would fit, and the
+    budget stays free for a later call larger than those seen (it runs as eager code). With no share
+    kept back, the same budget captures."""
+    eager = save_checkpoint("llama", tmp_path)
+    short = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(0))
+    large = torch.randint(0, 1000, (4, 100), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(fxoffload_hf.deferral, "_CAPTURE_SECONDS_PER_MODULE_CALL", 0.0)
+    for share in (fxoffload_hf.capture_forecast.SPEED_STATE_SHARE, 1.0):
+        monkeypatch.setattr(fxoffload_hf.capture_forecast, "SPEED_STATE_SHARE", share)
+        model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="12MiB", device="cpu", capture="deferred")
+        engine = fxoffload_hf.engine_of(model)
+        try:
+            for ids in (short, short, large):
+                assert torch.equal(logits(model, ids), logits(eager, ids))
+            if share < 1.0:  # the graph, about 5 MiB of state, would fit: a quarter of 12 MiB is less
+                assert backend_calls == [] and engine.runners == [] and engine.stats.eager_calls == 3
+                assert engine.deferral.refused and engine.memory.graph_bytes == 0
+                assert any("more than 25% of cpu_memory=12.00 MiB" in line for line in report_lines)
+            else:
+                assert backend_calls and engine.runners and engine.memory.graph_bytes > 3 * 2**20
+        finally:
+            fxoffload_hf.restore(model)
 
 
 def test_an_eager_floor_the_budget_already_meets_is_not_offered():
