@@ -341,7 +341,7 @@ def _guard_modules(
     engine.memory_holders.append(eager)
     room = engine.memory.room(0)
     if room is not None:
-        eager.tile_projections(room)
+        eager.tiles.note(room)
     for module in in_order:
         undo.extend(AttachedHook(handle) for handle in eager.install(module, hooks=module not in targets))
         if module not in holders:
@@ -364,7 +364,7 @@ def _tell_deferral_how_calls_are_lent(eager: EagerWeights, holders: set[nn.Modul
     if engine.memory.room(0) is None or not holders:
         return
     engine.deferral.lending = eager.lending(tiled=False)
-    if eager.tile_rows:
+    if eager.tiles.rows:
         engine.deferral.tiles = eager
 
 

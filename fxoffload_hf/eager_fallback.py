@@ -45,7 +45,7 @@ from fxoffload_hf.eager_sizes import (
     weights_used_whole,
     whole_bytes,
 )
-from fxoffload_hf.eager_tiles import project_in_tiles, projects_by_rows, rows_per_eager_tile, tile_bytes
+from fxoffload_hf.eager_tiles import EagerTiling
 from fxoffload_hf.loaders import Way, way_of
 from fxoffload_hf.mapped_io import MappedGroup
 from fxoffload_hf.memory_model import MemoryModel, format_bytes
@@ -99,51 +99,33 @@ class EagerWeights:
         self.ahead = ReadAhead(store.files, store.drop_cache)
         # ``lent_span`` per module, with what it depends on (``_span_now``)
         self._spans: dict[nn.Module, tuple[object, int]] = {}
-        # projections that can be computed in tiles of rows (``eager_tiles``), and whether they are now
-        self.tile_rows: dict[nn.Module, int] = {}
-        self.tiling = False
-        self._tiled_names: list[str] = []
-
-    def tile_projections(self, room: int) -> None:
-        """Note the plain projections whose weight is too large to lend beside another module's within
-        ``room`` bytes for weights: their eager calls can be computed in tiles (from ``use_tiles`` on)."""
-        self.tile_rows.clear()
-        tiled = []
-        for module, name in self.names.items():
-            weight = module._parameters.get("weight")
-            handle = handle_of(weight)
-            if weight is None or handle is None or not projects_by_rows(module):
-                continue
-            rows = rows_per_eager_tile(handle.record, room, weight.device.type)
-            if rows is not None:
-                self.tile_rows[module] = rows
-                tiled.append(f"{name} ({-(-handle.record.shape[0] // rows)} tiles of {rows} rows)")
-        self._tiled_names = tiled
+        # projections that can be computed in tiles of rows, and whether they are now
+        self.tiles = EagerTiling(self.names, store)
 
     def lending_in_tiles(self, room: int) -> Lending:
         """How eager calls would be lent weights with tiles sized for ``room`` bytes for weights beside a
         call (nothing changes)."""
-        rows, names = dict(self.tile_rows), self._tiled_names
+        rows, described = dict(self.tiles.rows), self.tiles.described
         try:
-            self.tile_projections(room)
+            self.tiles.note(room)
             return self.lending(tiled=True)
         finally:
-            self.tile_rows, self._tiled_names = rows, names
+            self.tiles.rows, self.tiles.described = rows, described
 
     def use_tiles(self, room: int) -> Lending:
         """Compute the projections too large to lend whole beside ``room`` bytes for weights in tiles
         sized for it, from now on; how eager calls are lent weights then."""
-        self.tile_projections(room)
+        self.tiles.note(room)
         report(
             "eager calls compute %s in tiles of rows from now on: lent whole, it does not fit beside the call",
-            ", ".join(self._tiled_names),
+            ", ".join(self.tiles.described),
         )
-        self.tiling = True
+        self.tiles.on = True
         return self.lending(tiled=True)
 
     def lending(self, tiled: bool) -> Lending:
         """How eager calls are lent weights, with the noted projections in tiles or whole."""
-        was, self.tiling = self.tiling, tiled
+        was, self.tiles.on = self.tiles.on, tiled
         try:
             ordered = list(self.names)  # the model's order
             if not ordered:
@@ -156,7 +138,7 @@ class EagerWeights:
                 keepable=list(dict.fromkeys(name for m in ordered for name in self.used_whole(m))),
             )
         finally:
-            self.tiling = was
+            self.tiles.on = was
 
     def install(self, module: nn.Module, hooks: bool = True) -> list[Any]:
         """Attach the hooks to ``module``; the removable handles. ``hooks`` False: an entry point's own
@@ -241,7 +223,7 @@ class EagerWeights:
             record = record_of(ghost)
             if i in in_place:
                 continue
-            if self._tiled(module, ghost):
+            if self.tiles.tiled(module, ghost):
                 values[i] = ghost.data  # computed in tiles, lent one at a time (``project``)
             elif way is Way.HELD:
                 values[i] = record.resident  # type: ignore[assignment]
@@ -262,7 +244,9 @@ class EagerWeights:
         return [
             i
             for i, (ghost, way) in enumerate(zip(ghosts, ways, strict=True))
-            if way is Way.MAPPED and ghost.dtype == record_of(ghost).dtype and not self._tiled(module, ghost)
+            if way is Way.MAPPED
+            and ghost.dtype == record_of(ghost).dtype
+            and not self.tiles.tiled(module, ghost)
         ]
 
     def _ways(self, module: nn.Module, ghosts: list[nn.Parameter]) -> list[Way]:
@@ -272,35 +256,13 @@ class EagerWeights:
             way_of(record_of(g), g.device.type, rows_only=reads_rows(module, g.device.type)) for g in ghosts
         ]
 
-    def in_tiles(self, module: nn.Module) -> bool:
-        """Whether an eager call of ``module`` is computed in tiles now."""
-        return self.tiling and module in self.tile_rows
-
-    def _tiled(self, module: nn.Module, ghost: nn.Parameter) -> bool:
-        return self.in_tiles(module) and module._parameters.get("weight") is ghost
-
-    def project(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The eager call of a projection computed in tiles (``tile_projections``); its bias is lent."""
-        weight, bias = module._parameters["weight"], module._parameters.get("bias")
-        assert weight is not None
-        with uncounted():  # one node in a captured graph (counted as the module's own call)
-            return project_in_tiles(x, weight, bias, self.store, self.tile_rows[module])
-
-    def _tile_bytes(self, module: nn.Module) -> int:
-        """What a tile of ``module``'s weight holds while it computes; 0 where it is lent whole."""
-        rows = self.tile_rows.get(module) if self.tiling else None
-        weight = module._parameters.get("weight")
-        if rows is None or weight is None:
-            return 0
-        return tile_bytes(record_of(weight), rows, weight.device.type)
-
     def _check_fits(self, module: nn.Module, ghosts: list[nn.Parameter], ways: list[Way]) -> None:
         """Refuse an eager call whose weights, whole, cannot fit the budget."""
         room = None if self.memory is None else self.memory.room(0)
-        whole = whole_bytes(module, ghosts, ways, self._tile_bytes(module))
-        if room is not None and whole > room and module in self.tile_rows:
+        whole = whole_bytes(module, ghosts, ways, self.tiles.held_bytes(module))
+        if room is not None and whole > room and module in self.tiles.rows:
             self.use_tiles(room)  # lent as it is, it does not fit: in tiles (smaller ones) from now on
-            whole = whole_bytes(module, ghosts, ways, self._tile_bytes(module))
+            whole = whole_bytes(module, ghosts, ways, self.tiles.held_bytes(module))
         if room is None or whole <= room:
             return
         name = self.names.get(module, "")
@@ -315,7 +277,7 @@ class EagerWeights:
     def lent_bytes(self, module: nn.Module) -> int:
         """Bytes an eager call of ``module`` brings in whole (its table read by rows is not)."""
         ghosts = self._ghosts(module)
-        return whole_bytes(module, ghosts, self._ways(module, ghosts), self._tile_bytes(module))
+        return whole_bytes(module, ghosts, self._ways(module, ghosts), self.tiles.held_bytes(module))
 
     def lent_span(self, module: nn.Module) -> int:
         """What an eager call of ``module`` can hold mapped: its weights used in place from their files
@@ -325,14 +287,14 @@ class EagerWeights:
         whole = [
             (r, way)
             for r, way in weights_used_whole(
-                module, ghosts, self._ways(module, ghosts), self.in_tiles(module)
+                module, ghosts, self._ways(module, ghosts), self.tiles.in_tiles(module)
             )
             if way is not Way.HELD
         ]
         files = self.store.files
         units = {unit for r, way in whole if way is Way.MAPPED and r.disk for unit in files.units(r.disk)}
         mapped = files.held_bytes(units, self.store.in_place_sources()) if units else 0
-        tiles = self._tile_bytes(module)
+        tiles = self.tiles.held_bytes(module)
         return mapped + sum(r.footprint for r, way in whole if way is not Way.MAPPED) + tiles
 
     def used_whole(self, module: nn.Module) -> list[str]:
@@ -340,7 +302,8 @@ class EagerWeights:
         ghosts = self._ghosts(module)
         ways = self._ways(module, ghosts)
         return [
-            record.name for record, _way in weights_used_whole(module, ghosts, ways, self.in_tiles(module))
+            record.name
+            for record, _way in weights_used_whole(module, ghosts, ways, self.tiles.in_tiles(module))
         ]
 
     def _read_ahead_after(self, module: nn.Module) -> None:
@@ -362,7 +325,7 @@ class EagerWeights:
 
     def _span_now(self, module: nn.Module) -> int:
         """``lent_span`` of ``module``, kept while the weights' tiers and the tiles stay as they are."""
-        key = (self.store.version, self.tiling, self.tile_rows.get(module))
+        key = (self.store.version, self.tiles.on, self.tiles.rows.get(module))
         known = self._spans.get(module)
         if known is None or known[0] != key:
             known = self._spans[module] = (key, self.lent_span(module))

@@ -123,8 +123,8 @@ def _lending_forward(module: nn.Module, original: Any, hooks: EagerWeights, own_
     def run(*args: Any, **kwargs: Any) -> Any:
         if by_rows and args and module.weight.device != args[0].device:
             return gather_rows(args[0], module.weight)  # lent where it lies (``Way.ROWS``): gathered there
-        if own_forward and hooks.in_tiles(module):
-            return hooks.project(module, args[0] if args else kwargs["input"])
+        if own_forward and hooks.tiles.in_tiles(module):
+            return hooks.tiles.project(module, args[0] if args else kwargs["input"])
         return original(*args, **kwargs)
 
     @functools.wraps(original)

@@ -14,13 +14,15 @@ dtype change or a spill re-points them as it does a graph's.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from fxoffload_hf.capture import handle_of
+from fxoffload_hf.eager_ops import uncounted
+from fxoffload_hf.eager_sizes import record_of
 from fxoffload_hf.loaders import Way, way_of
 from fxoffload_hf.mapped_io import MappedGroup
 from fxoffload_hf.tiles import (
@@ -46,6 +48,57 @@ _TILE_SHARE = 4
 # table needed 4.57 MiB lent at 10% of its weights, 4.13 MiB.) At most that many whole projections at a
 # call of a new shape, where the cap binds: at budgets that tight, a call reads far more than it computes.
 MOST_TILES = 64
+
+
+class EagerTiling:
+    """Which plain projections of a model eager calls compute in tiles of rows, and computing them: noted
+    for a room for weights (``note``), in use once turned ``on``."""
+
+    def __init__(self, names: Mapping[nn.Module, str], store: WeightStore) -> None:
+        self.names = names
+        self.store = store
+        self.rows: dict[nn.Module, int] = {}  # per projection that can go in tiles, rows per tile
+        self.described: list[str] = []  # each noted projection, named with its tiles
+        self.on = False
+
+    def note(self, room: int) -> None:
+        """Note the plain projections whose weight is too large to lend beside another module's within
+        ``room`` bytes for weights: their eager calls can be computed in tiles of rows."""
+        self.rows.clear()
+        described = []
+        for module, name in self.names.items():
+            weight = module._parameters.get("weight")
+            handle = handle_of(weight)
+            if weight is None or handle is None or not projects_by_rows(module):
+                continue
+            rows = rows_per_eager_tile(handle.record, room, weight.device.type)
+            if rows is not None:
+                self.rows[module] = rows
+                described.append(f"{name} ({-(-handle.record.shape[0] // rows)} tiles of {rows} rows)")
+        self.described = described
+
+    def in_tiles(self, module: nn.Module) -> bool:
+        """Whether an eager call of ``module`` is computed in tiles now."""
+        return self.on and module in self.rows
+
+    def tiled(self, module: nn.Module, ghost: nn.Parameter) -> bool:
+        """Whether ``ghost`` is ``module``'s weight computed in tiles now (not lent whole)."""
+        return self.in_tiles(module) and module._parameters.get("weight") is ghost
+
+    def held_bytes(self, module: nn.Module) -> int:
+        """What a tile of ``module``'s weight holds while it computes; 0 where it is lent whole."""
+        rows = self.rows.get(module) if self.on else None
+        weight = module._parameters.get("weight")
+        if rows is None or weight is None:
+            return 0
+        return tile_bytes(record_of(weight), rows, weight.device.type)
+
+    def project(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The eager call of a projection computed in tiles; its bias is lent."""
+        weight, bias = module._parameters["weight"], module._parameters.get("bias")
+        assert weight is not None
+        with uncounted():  # one node in a captured graph (counted as the module's own call)
+            return project_in_tiles(x, weight, bias, self.store, self.rows[module])
 
 
 def projects_by_rows(module: nn.Module) -> bool:

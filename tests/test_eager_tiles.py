@@ -60,7 +60,7 @@ def test_a_head_too_large_to_lend_whole_runs_eagerly_in_tiles_bit_for_bit(
         engine = fxoffload_hf.engine_of(model)
         assert engine.runners == [] and engine.stats.eager_calls == 4 and engine.deferring
         hooks = _eager_hooks(engine)
-        (head,) = hooks.tile_rows
+        (head,) = hooks.tiles.rows
         # a tile and its copy, each within a quarter of the room, not the whole head
         assert hooks.lent_bytes(head) <= budget // 2
         assert any(r.tile_of is not None for r in engine.store.records.values())
@@ -153,11 +153,11 @@ def test_a_head_is_lent_whole_while_calls_fit_and_in_tiles_from_the_first_that_d
     hooks = _eager_hooks(engine)
     try:
         assert torch.equal(logits(model, short), logits(eager, short))
-        assert not hooks.tiling and not any(r.tile_of for r in engine.store.records.values())
+        assert not hooks.tiles.on and not any(r.tile_of for r in engine.store.records.values())
         assert torch.equal(logits(model, long), logits(eager, long))
-        assert hooks.tiling and any(r.tile_of == "lm_head.weight" for r in engine.store.records.values())
+        assert hooks.tiles.on and any(r.tile_of == "lm_head.weight" for r in engine.store.records.values())
         assert torch.equal(logits(model, short), logits(eager, short))
-        assert hooks.tiling and engine.stats.eager_calls == 3 and engine.runners == []
+        assert hooks.tiles.on and engine.stats.eager_calls == 3 and engine.runners == []
     finally:
         fxoffload_hf.restore(model)
 
@@ -176,7 +176,7 @@ def test_a_call_that_does_not_fit_even_in_tiles_is_captured_and_leaves_them_off(
     hooks = _eager_hooks(engine)
     try:
         assert torch.equal(logits(model, wide), logits(eager, wide))
-        assert engine.stats.eager_calls == 0 and len(engine.runners) == 1 and not hooks.tiling
+        assert engine.stats.eager_calls == 0 and len(engine.runners) == 1 and not hooks.tiles.on
     finally:
         fxoffload_hf.restore(model)
 
@@ -206,6 +206,6 @@ def test_a_refused_capture_names_the_budget_eager_calls_need_with_the_head_in_ti
     hooks = _eager_hooks(engine)
     try:
         assert torch.equal(logits(model, ids), logits(eager, ids))
-        assert engine.stats.eager_calls == 1 and engine.runners == [] and hooks.tiling
+        assert engine.stats.eager_calls == 1 and engine.runners == [] and hooks.tiles.on
     finally:
         fxoffload_hf.restore(model)
