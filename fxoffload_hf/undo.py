@@ -12,7 +12,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fxoffload_hf.weights import WeightStore, remove_written
+from fxoffload_hf.spill_files import remove_written
+from fxoffload_hf.weights import WeightStore
 
 
 class Undo(Protocol):

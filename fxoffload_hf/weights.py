@@ -8,23 +8,19 @@ Every move bumps ``version``, so a plan made for one placement is never run agai
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import threading
-import uuid
 import weakref
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import save_file
 
 from fxoffload_hf import temp_folders
 from fxoffload_hf.mapped_io import MappedFiles, MappedGroup
 from fxoffload_hf.memory_model import format_bytes
 from fxoffload_hf.safetensors_io import TensorSlice, read_header, read_into
+from fxoffload_hf.spill_files import remove_written, write_weights_file
 from fxoffload_hf.weight_record import Tier, WeightRecord
 
 
@@ -161,24 +157,9 @@ class WeightStore:
         todo = {n: self.records[n] for n in names if self.records[n].host is not None}
         if not todo:
             return None
-        folder.mkdir(parents=True, exist_ok=True)
-        final = folder / f"fxoffload-{uuid.uuid4().hex[:12]}.safetensors"
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".partial-", suffix=".safetensors")
-        os.close(fd)
-        try:
-            tensors = {n: r.host.contiguous() for n, r in todo.items() if r.host is not None}
-            save_file(tensors, tmp)
-            del tensors
-            os.replace(tmp, final)
-        except BaseException as exc:
-            Path(tmp).unlink(missing_ok=True)
-            if isinstance(exc, OSError | SafetensorError):
-                raise OSError(
-                    getattr(exc, "errno", None),
-                    f"cannot write offloaded weights to {folder}: {getattr(exc, 'strerror', None) or exc}; "
-                    "free space there or choose another offload_folder",
-                ) from exc
-            raise
+        tensors = {n: r.host.contiguous() for n, r in todo.items() if r.host is not None}
+        final = write_weights_file(tensors, folder)
+        del tensors
         slices = read_header(final)
         self.version += 1
         for name, record in todo.items():
@@ -398,16 +379,3 @@ class HeldBytes:
 def as_typed(buffer: torch.Tensor, source: TensorSlice) -> torch.Tensor:
     """View raw bytes in ``buffer`` as the tensor ``source`` describes."""
     return buffer[: source.nbytes].view(source.dtype).view(source.shape)
-
-
-def remove_written(paths: list[Path], writer: int) -> None:
-    """Remove ``paths`` (files, then folders) where they still are, in the process ``writer`` only: a
-    forked child that exits or lets go of its copy of a model leaves its parent's files alone."""
-    if os.getpid() != writer:
-        return
-    for path in paths:
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-    paths.clear()

@@ -141,7 +141,7 @@ def test_interrupted_spill_leaves_no_partial_file_and_no_half_offloaded_model(
         raise KeyboardInterrupt
 
     # no public way to interrupt the spill mid-write deterministically: the store's writer is replaced
-    monkeypatch.setattr("fxoffload_hf.weights.save_file", half_then_interrupt)
+    monkeypatch.setattr("fxoffload_hf.spill_files.save_file", half_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         fxoffload_hf.offload(
             model, cpu_memory=int(weight_bytes(model) * 0.6), offload_folder=tmp_path / "w", device="cpu"
