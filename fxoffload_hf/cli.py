@@ -22,71 +22,6 @@ from fxoffload_hf.tradeoff import Bandwidths
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
-def run_generation(
-    mode: str, folder: str, budget: int | None, new_tokens: int, prompt_len: int = 32
-) -> dict[str, Any]:
-    """Load ``folder`` eagerly or offloaded, then time prefill and greedy decoding; figures as a dict."""
-    import torch
-    import transformers
-
-    import fxoffload_hf
-    from fxoffload_hf.memory import PeakSampler, process_status
-
-    torch.manual_seed(0)
-    ids = torch.randint(0, 1000, (1, prompt_len))
-    # dynamo's one-time import and set-up cost is not the model's: pay it before the baseline
-    torch.compile(lambda x: x + 1, backend="eager")(ids)
-    base = process_status(("RssAnon", "RssFile"))
-    start = time.perf_counter()
-    if mode == "eager":
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder)
-    else:
-        # the demo shows the streamed schedule: captured at the warm-up, not deferred past it
-        model = fxoffload_hf.from_pretrained(folder, cpu_memory=budget, device="cpu", capture="first-call")
-    load_seconds = time.perf_counter() - start
-    with torch.no_grad():
-        model.generate(ids, max_new_tokens=3, do_sample=False)  # warm-up: capture and profile
-        model(ids)
-        with PeakSampler() as sampler:
-            start = time.perf_counter()
-            model(ids)
-            prefill = time.perf_counter() - start
-            start = time.perf_counter()
-            tokens = model.generate(
-                ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
-            )
-            decode = time.perf_counter() - start
-    result = {
-        "mode": mode,
-        "load_seconds": round(load_seconds, 3),
-        "prefill_seconds": round(prefill, 4),
-        "decode_tokens_per_second": round(new_tokens / decode, 3),
-        "peak_private_bytes": sampler.peak["RssAnon"] - base["RssAnon"],
-        "peak_file_backed_bytes": sampler.peak["RssFile"] - base["RssFile"],
-        "tokens": tokens[0].tolist(),
-    }
-    if mode != "eager":
-        result.update(fxoffload_hf.engine_of(model).report())
-    return result
-
-
-def _child(mode: str, folder: Path, budget: int | None, new_tokens: int) -> dict[str, Any]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "fxoffload_hf.cli",
-        "_run",
-        mode,
-        str(folder),
-        str(budget or 0),
-        str(new_tokens),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {mode} run failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def _budget_for(spec: str | None, model_bytes: int) -> int | None:
     """Budgets in the demo: a percentage is a share of the model's size (``25%``), else as ``offload``."""
     from fxoffload_hf.config import parse_budget
@@ -100,6 +35,7 @@ def _budget_for(spec: str | None, model_bytes: int) -> int | None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from fxoffload_hf.demo import checkpoint_bytes, ensure_checkpoint
+    from fxoffload_hf.demo_runs import run_in_child
     from fxoffload_hf.memory import format_bytes
     from fxoffload_hf.plan import plan_checkpoint
 
@@ -114,7 +50,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     runs = {}
     for mode in ("eager", "fxoffload"):
         print(f"Running {mode} ...", flush=True)
-        runs[mode] = _child(mode, folder, budget, args.max_new_tokens)
+        runs[mode] = run_in_child(mode, folder, budget, args.max_new_tokens)
     eager, fx = runs["eager"], runs["fxoffload"]
     print()
     print(f"{'':24}{'eager (all in RAM)':>22}{'fxoffload':>22}")
@@ -368,7 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["_run"]:
+    if argv[:1] == ["_run"]:  # a demo's timed run, in a process of its own (``demo_runs``)
+        from fxoffload_hf.demo_runs import run_generation
+
         mode, folder, budget, tokens = argv[1:5]
         print(json.dumps(run_generation(mode, folder, int(budget) or None, int(tokens))))
         return EXIT_OK
