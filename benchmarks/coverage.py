@@ -67,8 +67,11 @@ def plan(mappings: list[str], only: list[str] | None) -> list[tuple[str, str]]:
     return pairs
 
 
-def check(type_name: str, mapping: str, limit_s: float, logs: Path, share: float | None) -> dict[str, Any]:
-    """Run one child and turn what came back into a row; its log is kept only when it did not pass."""
+def check(
+    type_name: str, mapping: str, limit_s: float, logs: Path, share: float | None, keep_log: bool = False
+) -> dict[str, Any]:
+    """Run one child and turn what came back into a row; its log is kept where it did not pass, or where
+    ``keep_log`` (to read what the library reported on the way: refusals, captures, eager calls)."""
     work = Path(tempfile.mkdtemp(prefix=f"coverage-{type_name}-"))
     log = logs / f"{mapping}-{type_name}.log"
     shared = [] if share is None else [str(share)]
@@ -77,7 +80,7 @@ def check(type_name: str, mapping: str, limit_s: float, logs: Path, share: float
     finally:
         shutil.rmtree(work, ignore_errors=True)
     row = row_of(type_name, mapping, run)
-    if row["status"] in ("exact", "skipped"):
+    if row["status"] in ("exact", "skipped") and not keep_log:
         log.unlink(missing_ok=True)
     return row
 
@@ -110,7 +113,7 @@ def sweep(pairs: list[tuple[str, str]], args: argparse.Namespace, done: list[dic
     logs = args.out.parent / "logs"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as out, ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(check, t, m, args.limit_s, logs, args.share) for t, m in pairs]
+        futures = [pool.submit(check, t, m, args.limit_s, logs, args.share, args.keep_logs) for t, m in pairs]
         for i, future in enumerate(futures, 1):
             row = future.result()
             done.append(row)
@@ -207,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         "sampling), each against eager",
     )
     parser.add_argument("--resume", action="store_true", help="skip pairs already in --out")
+    parser.add_argument(
+        "--keep-logs", action="store_true", help="keep every child's log beside --out (else only failures')"
+    )
     parser.add_argument("--report-only", action="store_true", help="only write the summary of --out")
     parser.add_argument("--table", action="store_true", help="print the markdown summary")
     args = parser.parse_args(argv)

@@ -14,6 +14,10 @@ from fxoffload_hf.memory_model import MemoryModel, format_bytes
 # twelve architectures, dense, mixtures of experts and Mamba, prefill and decode: 0.80 to 1.04): below
 # it, a capture's state is not overestimated, so no capture that could fit is skipped.
 _GRAPH_NODES_PER_OP = 0.75
+# and at most (measured too on Falcon, GPT-2, StarCoder2, Llama, BERT and BioGPT at hidden 256, a batch of
+# three: 0.91 to 1.34, the most where the graph adds casts and masks the eager call does not run): a
+# capture for speed is judged by the state it may hold
+_GRAPH_NODES_PER_OP_MOST = 1.35
 # Eager calls count their operations in the first few calls, then in one call of so many: a kind of
 # call keeps its graph's size, and counting costs each operation about 2 us (a Python call per operation,
 # several percent of a decode step whose weights are cached).
@@ -75,30 +79,29 @@ class CaptureForecast:
 
     def state_for_speed(self, memory: MemoryModel) -> int | None:
         """Where a capture chosen for speed of a call like the recent eager ones would bring the graphs'
-        state above ``SPEED_STATE_SHARE`` of ``memory``'s budget, that state (at the fewest nodes
-        predicted); None where it stays within it, or nothing tells."""
+        state above ``SPEED_STATE_SHARE`` of ``memory``'s budget, that state (at the most nodes
+        predicted, ``likely_nodes``); None where it stays within it, or nothing tells."""
         budget = memory.budget
         if not self.predicts(memory) or budget is None or not self.recent_ops:
             return None
-        state = memory.with_graph(self.predicted_nodes()).graph_bytes
+        state = memory.with_graph(self.likely_nodes()).graph_bytes
         return state if state > SPEED_STATE_SHARE * budget else None
 
     def against_speed(self, memory: MemoryModel) -> str | None:
         """Why a capture chosen for speed of a call like the recent eager ones is not taken: it surely
         cannot fit ``memory``'s budget (``least_to_capture``), or would bring the graphs' state above
         ``SPEED_STATE_SHARE`` of it (``state_for_speed``); None where neither holds, or nothing tells."""
-        graph = f"a graph of about {self.predicted_nodes()} ops"
         budget = f"{memory.budget_name}={format_bytes(memory.budget)}"
         least = self.least_to_capture(memory)
         if least is not None:
             return (
-                f"{graph} would need at least {format_bytes(least)} for its state and its capture beside "
+                f"a graph of about {self.predicted_nodes()} ops would need at least {format_bytes(least)} for its state and its capture beside "
                 f"what is counted, more than {budget}"
             )
         state = self.state_for_speed(memory)
         if state is not None:
             return (
-                f"{graph} would bring the captured graphs' state to {format_bytes(state)}, more than "
+                f"a graph of up to {self.likely_nodes()} ops would bring the captured graphs' state to {format_bytes(state)}, more than "
                 f"{SPEED_STATE_SHARE:.0%} of {budget}"
             )
         return None
@@ -108,3 +111,8 @@ class CaptureForecast:
         last two (a generate's prefill and decode steps run different code in some models), at
         ``_GRAPH_NODES_PER_OP``."""
         return int(min(self.recent_ops, default=0) * _GRAPH_NODES_PER_OP)
+
+    def likely_nodes(self) -> int:
+        """The most nodes the graph of a call like the recent eager ones would have: of the more of the
+        last two, at ``_GRAPH_NODES_PER_OP_MOST``."""
+        return int(max(self.recent_ops, default=0) * _GRAPH_NODES_PER_OP_MOST)
