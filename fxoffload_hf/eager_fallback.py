@@ -105,12 +105,8 @@ class EagerWeights:
     def lending_in_tiles(self, room: int) -> Lending:
         """How eager calls would be lent weights with tiles sized for ``room`` bytes for weights beside a
         call (nothing changes)."""
-        rows, described = dict(self.tiles.rows), self.tiles.described
-        try:
-            self.tiles.note(room)
+        with self.tiles.noted_for(room):
             return self.lending(tiled=True)
-        finally:
-            self.tiles.rows, self.tiles.described = rows, described
 
     def use_tiles(self, room: int) -> Lending:
         """Compute the projections too large to lend whole beside ``room`` bytes for weights in tiles

@@ -77,6 +77,16 @@ class EagerTiling:
                 described.append(f"{name} ({-(-handle.record.shape[0] // rows)} tiles of {rows} rows)")
         self.described = described
 
+    @contextmanager
+    def noted_for(self, room: int) -> Iterator[None]:
+        """Within: the projections noted for ``room`` bytes for weights (``note``); as before after."""
+        rows, described = dict(self.rows), self.described
+        try:
+            self.note(room)
+            yield
+        finally:
+            self.rows, self.described = rows, described
+
     def in_tiles(self, module: nn.Module) -> bool:
         """Whether an eager call of ``module`` is computed in tiles now."""
         return self.on and module in self.rows
