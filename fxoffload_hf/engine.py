@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from torch import fx
 
-from fxoffload_hf import eager_paths, row_lookups, tiles
+from fxoffload_hf import eager_paths, tiles
 from fxoffload_hf.activations import activation_model
 from fxoffload_hf.capture_budget import CaptureBudget
 from fxoffload_hf.cohort import Cohort, SharedLock
@@ -25,11 +25,11 @@ from fxoffload_hf.config import OffloadConfig
 from fxoffload_hf.deferral import Deferral
 from fxoffload_hf.eager_fallback import EagerWeights
 from fxoffload_hf.graph_entry import GraphEntry
+from fxoffload_hf.graph_prep import prepare_graph
 from fxoffload_hf.graphs import call_inputs, capture_device, graph_facts, retarget_devices
 from fxoffload_hf.loaders import DeviceOps, InlineReader, ThreadedReader, make_loader
 from fxoffload_hf.memory import return_large_frees_to_the_os
 from fxoffload_hf.memory_model import BudgetTooSmallError, MemoryModel, format_bytes
-from fxoffload_hf.noop_conversions import drop_noop_conversions, has_noop_conversions
 from fxoffload_hf.partition import Partition
 from fxoffload_hf.planner import GraphInput, ModelPlan, partition_for_budget, plan_model, sizes_for_budget
 from fxoffload_hf.program import build_program
@@ -132,24 +132,16 @@ class Engine:
         weight_names = frozenset(facts.names[w] for w in facts.weight_bytes)
         self.captures.progress.captures(weight_names, state)
         device_type = self.loader.device_type
-        if has_noop_conversions(list(facts.weight_bytes)):
-            gm, copies = tiles.own_copy(gm)
-            drop_noop_conversions(gm.graph, [copies[w] for w in facts.weight_bytes])
-            gm.recompile()
-            facts = graph_facts(gm, example_inputs)
-        if device_type == "cuda" and facts.lookups:
-            gm, copies = tiles.own_copy(gm)
-            tables = {copies[w] for w in facts.weight_bytes if facts.names[w] in facts.lookups}
-            row_lookups.gather_on_host(gm, tables)
-            facts = graph_facts(gm, example_inputs)
-        self._make_room_for_activations(max(facts.activation_bytes, self.expected_activations))
-        gm, tile_ghosts = tiles.tile_oversized(
-            gm, facts, self.store, self.memory, device_type, self.expected_activations
+        gm, example_inputs, facts = prepare_graph(
+            gm,
+            example_inputs,
+            facts,
+            store=self.store,
+            memory=self.memory,
+            device_type=device_type,
+            expected_activations=self.expected_activations,
+            make_room=self._make_room_for_activations,
         )
-        if tile_ghosts:
-            example_inputs = [*example_inputs, *tile_ghosts]
-            facts = graph_facts(gm, example_inputs)
-            self._make_room_for_activations(facts.activation_bytes)
         sizes = sizes_for_budget(
             facts.weight_bytes, facts.names, facts.lookups, self.store.records, device_type
         )
