@@ -87,10 +87,11 @@ class CaptureForecast:
         state = memory.with_graph(self.likely_nodes()).graph_bytes
         return state if state > SPEED_STATE_SHARE * budget else None
 
-    def against_speed(self, memory: MemoryModel) -> str | None:
+    def against_speed(self, memory: MemoryModel, keeps_share: bool = True) -> str | None:
         """Why a capture chosen for speed of a call like the recent eager ones is not taken: it surely
-        cannot fit ``memory``'s budget (``least_to_capture``), or would bring the graphs' state above
-        ``SPEED_STATE_SHARE`` of it (``state_for_speed``); None where neither holds, or nothing tells."""
+        cannot fit ``memory``'s budget (``least_to_capture``), or (``keeps_share``) would bring the graphs'
+        state above ``SPEED_STATE_SHARE`` of it (``state_for_speed``); None where neither holds, or
+        nothing tells."""
         budget = f"{memory.budget_name}={format_bytes(memory.budget)}"
         least = self.least_to_capture(memory)
         if least is not None:
@@ -98,7 +99,7 @@ class CaptureForecast:
                 f"a graph of about {self.predicted_nodes()} ops would need at least {format_bytes(least)} for its state and its capture beside "
                 f"what is counted, more than {budget}"
             )
-        state = self.state_for_speed(memory)
+        state = self.state_for_speed(memory) if keeps_share else None
         if state is not None:
             return (
                 f"a graph of up to {self.likely_nodes()} ops would bring the captured graphs' state to {format_bytes(state)}, more than "

@@ -247,7 +247,10 @@ class Deferral:
 
     def block_starts(self, calls: int) -> None:
         """A block of ``calls`` calls is about to run: eager calls would each read every weight."""
-        if self.on and not self.refused and not self._cannot_capture(f"for a block of {calls} calls"):
+        # asked for by the caller, a block keeps no share of the budget back: only a capture that surely
+        # cannot fit is not taken
+        block = f"for a block of {calls} calls"
+        if self.on and not self.refused and not self._cannot_capture(block, keeps_share=False):
             self.end(
                 f"capturing from this block of {calls} calls: each weight is then read once for all", True
             )
@@ -303,12 +306,12 @@ class Deferral:
         """Whether the next eager call counts its operations (``CaptureForecast.counts``)."""
         return self.forecast.counts(self.memory, self.stats.eager_calls)
 
-    def _cannot_capture(self, why: str) -> bool:
-        """Whether a capture chosen ``why`` (for speed) surely cannot fit, or would hold more than its
-        share of the budget in graphs' state (``CaptureForecast.against_speed``): then calls go on
-        eagerly, and capture is not chosen for speed again (nothing is traced: a capture costs its
+    def _cannot_capture(self, why: str, keeps_share: bool = True) -> bool:
+        """Whether a capture chosen ``why`` (for speed) surely cannot fit, or (``keeps_share``) would hold
+        more than its share of the budget in graphs' state (``CaptureForecast.against_speed``): then calls
+        go on eagerly, and capture is not chosen for speed again (nothing is traced: a capture costs its
         tracing and leaves host memory behind)."""
-        against = self.forecast.against_speed(self.memory)
+        against = self.forecast.against_speed(self.memory, keeps_share)
         if against is None:
             return False
         self.refused = True

@@ -426,6 +426,27 @@ def test_a_capture_for_speed_that_would_hold_more_than_its_share_of_the_budget_i
             fxoffload_hf.restore(model)
 
 
+@pytest.mark.usefixtures("counted_graph_state")
+def test_a_block_of_calls_is_captured_though_its_graph_would_hold_more_than_the_share(
+    tmp_path, save_checkpoint, logits, backend_calls
+):
+    """A block of calls is asked for by the caller (each weight read once for all its calls): it is
+    captured where the graph surely fits, though its state would take more of the budget than a capture
+    the library chooses for speed may (``SPEED_STATE_SHARE``), and its results are eager's, in order."""
+    eager = save_checkpoint("llama", tmp_path)
+    short = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(0))
+    model = fxoffload_hf.from_pretrained(tmp_path, cpu_memory="12MiB", device="cpu", capture="deferred")
+    engine = fxoffload_hf.engine_of(model)
+    try:
+        assert torch.equal(logits(model, short), logits(eager, short))  # eager, its operations counted
+        assert engine.deferral.forecast.state_for_speed(engine.memory) is not None  # more than the share
+        got = fxoffload_hf.run_as_block(model, [lambda: logits(model, short)] * 3)
+        assert all(torch.equal(g, logits(eager, short)) for g in got)
+        assert backend_calls and engine.runners and not engine.deferring
+    finally:
+        fxoffload_hf.restore(model)
+
+
 def test_an_eager_floor_the_budget_already_meets_is_not_offered():
     """``or_eagerly`` names the eager calls' floor only where it lies above the budget refused: a floor
     below it is another call's (eager calls did not serve this one), and naming it sent a user round in a
