@@ -27,13 +27,13 @@ from fxoffload_hf.config import BudgetSpec, OffloadConfig
 from fxoffload_hf.direct_reads import children_read_directly
 from fxoffload_hf.eager_fallback import EagerWeights
 from fxoffload_hf.engine import Engine
-from fxoffload_hf.memory import free_host_memory, memory_limit, tensor_nbytes
+from fxoffload_hf.memory import free_host_memory, memory_limit
 from fxoffload_hf.memory_model import MemoryModel
+from fxoffload_hf.placement import Uses, move_buffers, move_small_parameters, split_parameters, store_weights
 from fxoffload_hf.progress import stage
 from fxoffload_hf.safetensors_io import CheckpointError, TensorSlice
 from fxoffload_hf.undo import (
     AttachedHook,
-    MovedBuffer,
     OwnedFolder,
     PatchedAttribute,
     StoredParameter,
@@ -46,8 +46,6 @@ from fxoffload_hf.weights import WeightStore
 STATE_ATTR = "_fxoffload_state"
 # share of free host RAM a GPU run fills with weights read from their files when cpu_memory is not given
 _HOST_SHARE_FOR_WEIGHTS = 0.8
-
-Uses = list[tuple[nn.Module, str, str]]  # every (module, attribute, dotted name) holding one parameter
 
 T = TypeVar("T")
 
@@ -122,20 +120,20 @@ def offload(
         compile_cache=compile_cache,
     )
     checkpoint = checkpoint or {}
-    large, small = _split_parameters(model, config, checkpoint)
+    large, small = split_parameters(model, config, checkpoint)
     undo: list[Undo] = []
     store = WeightStore(config.device, drop_cache=memory_limit() is not None)
     engine: Engine | None = None
     try:
         weight_rescaling.divide_as_used(model, undo)  # before the modules' forwards are wrapped
-        fixed = _move_small_parameters(small, store, checkpoint, config.device, undo)
-        fixed += _move_buffers(model, config.device, undo)
+        fixed = move_small_parameters(small, store, checkpoint, config.device, undo)
+        fixed += move_buffers(model, config.device, undo)
         memory = MemoryModel.where_it_computes(
             config.device.type, config.gpu_memory, config.cpu_memory, fixed
         )
         engine = Engine(config, store, memory)
         with stage("weights placed for %s: %s", config.device, store):
-            _store_weights(large, store, checkpoint)
+            store_weights(large, store, checkpoint)
             if config.device.type == "cpu":
                 align.warn_of_unaligned_weights(store)
             # a 2-D weight may stream in tiles of rows (``tiles``)
@@ -216,75 +214,6 @@ def _undo(records: list[Undo]) -> None:
 
 
 # -- install steps, in order ------------------------------------------------------------------------
-def _split_parameters(
-    model: nn.Module, config: OffloadConfig, checkpoint: Mapping[str, TensorSlice]
-) -> tuple[list[tuple[nn.Parameter, Uses]], list[tuple[nn.Parameter, Uses]]]:
-    """The model's distinct parameters, large ones (offloaded) and small ones (kept on the device)."""
-    large: list[tuple[nn.Parameter, Uses]] = []
-    small: list[tuple[nn.Parameter, Uses]] = []
-    for param, uses in _parameter_owners(model).items():
-        name = uses[0][2]
-        if param.device.type == "meta" and name not in checkpoint:
-            raise ValueError(
-                f"parameter {name!r} is on the meta device and no checkpoint file holds it; "
-                "load the model's weights first, or load it with fxoffload_hf.from_pretrained"
-            )
-        (large if tensor_nbytes(param) >= config.resident_threshold else small).append((param, uses))
-    return large, small
-
-
-def _move_small_parameters(
-    small: list[tuple[nn.Parameter, Uses]],
-    store: WeightStore,
-    checkpoint: Mapping[str, TensorSlice],
-    device: torch.device,
-    undo: list[Undo],
-) -> int:
-    """Put the small parameters on the compute device for good; their bytes."""
-    fixed = 0
-    for param, uses in small:
-        value = param.data
-        if param.device.type == "meta":
-            value = store.read_source(checkpoint[uses[0][2]], param.dtype)
-        if value.device != device:
-            value = value.to(device)
-        if value is not param.data:
-            replacement = nn.Parameter(value, requires_grad=param.requires_grad)
-            for module, attr, _name in uses:
-                undo.append(SwappedParameter(module, attr, param))
-                module._parameters[attr] = replacement
-        fixed += tensor_nbytes(param)
-    return fixed
-
-
-def _move_buffers(model: nn.Module, device: torch.device, undo: list[Undo]) -> int:
-    """Put every buffer on the compute device; their bytes."""
-    fixed = 0
-    for module in model.modules():
-        for name, buf in module._buffers.items():
-            if buf is None:
-                continue
-            if buf.device != device:
-                undo.append(MovedBuffer(module, name, buf))
-                module._buffers[name] = buf.to(device)
-            fixed += tensor_nbytes(buf)
-    return fixed
-
-
-def _store_weights(
-    large: list[tuple[nn.Parameter, Uses]], store: WeightStore, checkpoint: Mapping[str, TensorSlice]
-) -> None:
-    """Record each large parameter in the store: in RAM as it is, or where the checkpoint holds it."""
-    for param, uses in large:
-        name = uses[0][2]
-        if param.device.type == "meta":
-            store.add_disk(name, checkpoint[name], param.dtype, requires_grad=param.requires_grad)
-        else:
-            store.add_host(name, param.data, requires_grad=param.requires_grad)
-        for _module, _attr, alias in uses[1:]:
-            store.add_alias(name, alias)
-
-
 def _spill_what_ram_cannot_hold(store: WeightStore, config: OffloadConfig, fixed: int) -> None:
     """Under ``cpu_memory``, weights in RAM that do not fit it go to disk (the offload folder)."""
     if not MemoryModel(config.cpu_memory, "cpu_memory", fixed).fits(resident=store.ram_bytes()):
@@ -384,20 +313,6 @@ def _take_eager_code_paths(model: nn.Module, undo: list[Undo]) -> None:
             if isinstance(value, bool) and value != eager:
                 undo.append(PatchedAttribute(owner, attr, attr in owner.__dict__, value))
                 setattr(owner, attr, eager)
-
-
-def _parameter_owners(model: nn.Module) -> dict[nn.Parameter, Uses]:
-    """Each distinct parameter with every (module, attribute, dotted name) that holds it: tied ones once."""
-    owners: dict[nn.Parameter, Uses] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for attr, param in module._parameters.items():
-            if param is None:
-                continue
-            full = f"{module_name}.{attr}" if module_name else attr
-            uses = owners.setdefault(param, [])
-            if all(m is not module or a != attr for m, a, _ in uses):
-                uses.append((module, attr, full))
-    return owners
 
 
 __all__ = ["offload", "restore", "engine_of", "remove_on_restore", "CheckpointError"]
