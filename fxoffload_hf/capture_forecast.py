@@ -96,14 +96,14 @@ class CaptureForecast:
         least = self.least_to_capture(memory)
         if least is not None:
             return (
-                f"a graph of about {self.predicted_nodes()} ops would need at least {format_bytes(least)} for its state and its capture beside "
-                f"what is counted, more than {budget}"
+                f"a graph of about {self.predicted_nodes()} ops would need at least {format_bytes(least)} "
+                f"for its state and its capture beside what is counted, more than {budget}"
             )
         state = self.state_for_speed(memory) if keeps_share else None
         if state is not None:
             return (
-                f"a graph of up to {self.likely_nodes()} ops would bring the captured graphs' state to {format_bytes(state)}, more than "
-                f"{SPEED_STATE_SHARE:.0%} of {budget}"
+                f"a graph of up to {self.likely_nodes()} ops would bring the captured graphs' state to "
+                f"{format_bytes(state)}, more than {SPEED_STATE_SHARE:.0%} of {budget}"
             )
         return None
 
