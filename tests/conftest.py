@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -308,6 +309,18 @@ def assert_not_offloaded(model: nn.Module, before: dict[str, tuple[nn.Parameter,
         assert torch.equal(param, values), f"{name} changed"
 
 
+_PASS_RE = re.compile(r"pass (gpu_memory|cpu_memory)=(\d+)")
+
+
+def named_budget(exc: BaseException) -> int:
+    """The N of ``pass gpu_memory=N`` (or ``cpu_memory``) in a refusal (dynamo wraps refusals raised at
+    the first call)."""
+    inner = getattr(exc, "inner_exception", None) or exc
+    match = _PASS_RE.search(str(inner))
+    assert match is not None, f"the refusal does not name a budget that works: {inner}"
+    return int(match.group(2))
+
+
 # -- fixtures ---------------------------------------------------------------------------------------
 # Each helper fixture hands out the function above (session scope: module- and session-scoped fixtures
 # can use them too). The fixtures are registered under the helpers' names; the module attributes of
@@ -383,6 +396,11 @@ def snapshot_params_fixture() -> Callable[[nn.Module], dict[str, tuple[nn.Parame
 def assert_not_offloaded_fixture() -> Callable[[nn.Module, dict], None]:
     """``assert_not_offloaded(model, before)``: not offloaded, the parameters of ``before`` unchanged."""
     return assert_not_offloaded
+
+
+@pytest.fixture(name="named_budget", scope="session")
+def named_budget_fixture() -> Callable[[BaseException], int]:
+    return named_budget
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,9 @@ that running the tests writes nothing into the repository.
 
 from __future__ import annotations
 
-import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +32,6 @@ SETTINGS = settings(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-_PASS_RE = re.compile(r"pass (gpu_memory|cpu_memory)=(\d+)")
 pytestmark = pytest.mark.slow  # 13 and 24 s here
 
 
@@ -96,21 +95,13 @@ archs = st.builds(
 )
 
 
-def _named_budget(exc: BaseException) -> int:
-    """The N of ``pass gpu_memory=N`` in a refusal (dynamo wraps refusals raised at the first call)."""
-    inner = getattr(exc, "inner_exception", None) or exc
-    match = _PASS_RE.search(str(inner))
-    assert match is not None, f"the refusal does not name a budget that works: {inner}"
-    return int(match.group(2))
-
-
-def _up_front_smallest(model: torch.nn.Module, key: str) -> int:
+def _up_front_smallest(model: torch.nn.Module, key: str, named_budget: Callable[[BaseException], int]) -> int:
     """The smallest budget ``offload`` names up front for a 1-byte budget (no capture needed)."""
     try:
         fxoffload_hf.offload(model, device="cpu", **{key: 1})
     except ValueError as exc:
         assert not hasattr(model, "_fxoffload_state")
-        return _named_budget(exc)
+        return named_budget(exc)
     # every weight is small enough to stay resident: nothing to check up front
     fxoffload_hf.restore(model)
     return 1
@@ -250,12 +241,12 @@ def _offload_and_run(model, arch: Arch, key: str, budget: int, folder: str, poli
 @example(
     arch=Arch("llama", 1, 96, 352, 288, False, True, torch.bfloat16), tier="disk", policy="auto", share=0.0
 )
-def test_any_workable_budget_gives_eager_output_within_budget(arch, tier, policy, share):
+def test_any_workable_budget_gives_eager_output_within_budget(arch, tier, policy, share, named_budget):
     model = arch.build()
     with torch.no_grad():
         expected = model(arch.ids()).logits
     key = "gpu_memory" if tier == "host" else "cpu_memory"
-    low = _up_front_smallest(model, key)
+    low = _up_front_smallest(model, key, named_budget)
     large, fixed = _large_and_fixed(model)
     # from the up-front smallest to about the whole model (the disk tier mostly spills), or a bit above
     top = large + fixed + (150_000 if tier == "host" else 0)
@@ -266,7 +257,7 @@ def test_any_workable_budget_gives_eager_output_within_budget(arch, tier, policy
         refused = isinstance(result, BaseException)
         if refused:
             # below the smallest workable budget (activations count too): the named budget must work
-            named = _named_budget(result)
+            named = named_budget(result)
             assert named > budget, f"refused {key}={budget} but named {named}, which is not larger"
             budget = named
             result = _offload_and_run(model, arch, key, budget, folder, policy)
@@ -289,12 +280,12 @@ def test_any_workable_budget_gives_eager_output_within_budget(arch, tier, policy
 
 @settings(SETTINGS, max_examples=4)
 @given(arch=archs, tier=st.sampled_from(["host", "disk"]), share=st.floats(0.0, 0.999))
-def test_budget_below_the_smallest_is_refused_naming_one_that_works(arch, tier, share):
+def test_budget_below_the_smallest_is_refused_naming_one_that_works(arch, tier, share, named_budget):
     model = arch.build()
     with torch.no_grad():
         expected = model(arch.ids()).logits
     key = "gpu_memory" if tier == "host" else "cpu_memory"
-    low = _up_front_smallest(model, key)
+    low = _up_front_smallest(model, key, named_budget)
     budget = max(1, int(low * share))
     refusals = []
     folder = tempfile.mkdtemp(prefix="fxoffload-prop-")
@@ -308,7 +299,7 @@ def test_budget_below_the_smallest_is_refused_naming_one_that_works(arch, tier, 
                 assert not hasattr(model, "_fxoffload_state"), "refused but left half-offloaded"
             if not isinstance(result, BaseException):
                 break
-            named = _named_budget(result)
+            named = named_budget(result)
             assert named > budget, f"refused {key}={budget} but named {named}"
             assert key in str(getattr(result, "inner_exception", None) or result)
             refusals.append((budget, named))

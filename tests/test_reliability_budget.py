@@ -9,8 +9,6 @@ pins an engine bug found here: its reason names the bug; remove the mark once it
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
@@ -18,16 +16,7 @@ import fxoffload_hf
 from fxoffload_hf import BudgetTooSmallError
 from fxoffload_hf.weight_record import Tier
 
-# mlp, small_llama, logits, snapshot_params, assert_not_offloaded: conftest.py
-
-_PASS_RE = re.compile(r"pass (gpu_memory|cpu_memory)=(\d+)")
-
-
-def _named_budget(exc: BaseException) -> int:
-    inner = getattr(exc, "inner_exception", None) or exc
-    match = _PASS_RE.search(str(inner))
-    assert match is not None, f"no budget named in: {inner}"
-    return int(match.group(2))
+# mlp, small_llama, logits, snapshot_params, assert_not_offloaded, named_budget: conftest.py
 
 
 def _held_bytes(engine) -> dict[str, int]:
@@ -45,12 +34,12 @@ def _held_bytes(engine) -> dict[str, int]:
 
 
 @pytest.fixture
-def up_front_smallest(small_llama):
+def up_front_smallest(small_llama, named_budget):
     """The budget ``offload`` names when refusing ``small_llama`` with gpu_memory=1 (from shapes alone)."""
     model = small_llama[0]
     with pytest.raises(ValueError) as info:
         fxoffload_hf.offload(model, gpu_memory=1, device="cpu")
-    return _named_budget(info.value)
+    return named_budget(info.value)
 
 
 def test_refusal_at_the_first_call_is_a_value_error(small_llama, up_front_smallest, logits):
