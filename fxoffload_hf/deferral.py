@@ -94,6 +94,9 @@ class Deferral:
         self.tiles: Tiles | None = None
         self.by_choice = False  # deferring ended for speed (cost or a block), not for the budget
         self.refused = False  # such a capture needed more than the budget: calls stay eager
+        # a capture for speed would have held more than its share of the budget in graphs' state: the
+        # ski-rental rule does not choose one again (a block, asked for by the caller, still may)
+        self.kept_share = False
         self.eager_floor: int | None = None  # the budget the eager call that ended deferring needed
         # what the modules lent to the last eager call may hold at once: the one computing and the next,
         # read ahead (``eager_read_ahead``); None: no limit
@@ -238,7 +241,8 @@ class Deferral:
             return
         self._eager_seconds += seconds
         worth_it = self._eager_seconds >= self._most_module_calls * _CAPTURE_SECONDS_PER_MODULE_CALL
-        if self.on and not self.refused and worth_it and not self._cannot_capture("for speed"):
+        chooses = self.on and not self.refused and not self.kept_share and worth_it
+        if chooses and not self._cannot_capture("for speed"):
             self.end(
                 f"capturing from the next call: {self.stats.eager_calls} eager calls took "
                 f"{self._eager_seconds:.1f} s, about what capture is estimated to take",
@@ -309,12 +313,16 @@ class Deferral:
     def _cannot_capture(self, why: str, keeps_share: bool = True) -> bool:
         """Whether a capture chosen ``why`` (for speed) surely cannot fit, or (``keeps_share``) would hold
         more than its share of the budget in graphs' state (``CaptureForecast.against_speed``): then calls
-        go on eagerly, and capture is not chosen for speed again (nothing is traced: a capture costs its
-        tracing and leaves host memory behind)."""
+        go on eagerly, and capture is not chosen for speed again (``refused``; for the share only,
+        ``kept_share``: a block may still be captured). Nothing is traced: a capture costs its tracing and
+        leaves host memory behind."""
         against = self.forecast.against_speed(self.memory, keeps_share)
         if against is None:
             return False
-        self.refused = True
+        if self.forecast.least_to_capture(self.memory) is None:
+            self.kept_share = True  # it would fit: only the share kept it back
+        else:
+            self.refused = True
         self._uncaptured_calls, self._uncaptured_seconds = 0, 0.0
         report("not capturing %s: %s; calls go on eagerly", why, against)
         return True
