@@ -121,11 +121,10 @@ class EagerWeights:
 
     def lending(self, tiled: bool) -> Lending:
         """How eager calls are lent weights, with the noted projections in tiles or whole."""
-        was, self.tiles.on = self.tiles.on, tiled
-        try:
-            ordered = list(self.names)  # the model's order
-            if not ordered:
-                return Lending()
+        ordered = list(self.names)  # the model's order
+        if not ordered:
+            return Lending()
+        with self.tiles.used(tiled):
             largest = max(ordered, key=self.lent_bytes)
             return Lending(
                 largest=self.lent_bytes(largest),
@@ -133,8 +132,6 @@ class EagerWeights:
                 span=max((self.lent_span(m) for m in ordered), default=0),
                 keepable=list(dict.fromkeys(name for m in ordered for name in self.used_whole(m))),
             )
-        finally:
-            self.tiles.on = was
 
     def install(self, module: nn.Module, hooks: bool = True) -> list[Any]:
         """Attach the hooks to ``module``; the removable handles. ``hooks`` False: an entry point's own

@@ -87,6 +87,15 @@ class EagerTiling:
         finally:
             self.rows, self.described = rows, described
 
+    @contextmanager
+    def used(self, on: bool) -> Iterator[None]:
+        """Within: the noted projections in tiles (``on``) or whole; as before after."""
+        was, self.on = self.on, on
+        try:
+            yield
+        finally:
+            self.on = was
+
     def in_tiles(self, module: nn.Module) -> bool:
         """Whether an eager call of ``module`` is computed in tiles now."""
         return self.on and module in self.rows
